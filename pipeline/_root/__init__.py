@@ -1,0 +1,1 @@
+"""redumix: learn from your own reflections (harvest, train, eval)."""

@@ -1,0 +1,81 @@
+"""`redumix STAGE --recipe PATH [--run-dir DIR] [key.sub=value ...]`
+
+Stages: base (build the embedded default model), harvest, train, eval, export (DPO pairs from the shards).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from redumix.pipeline.config import Config, ConfigError, config_to_yaml, load_config
+from redumix.pipeline.run import RunDir, atomic_write_text, print0, rank
+
+STAGES = ("base", "harvest", "train", "eval", "export", "calibrate")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="redumix", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("stage", choices=STAGES)
+    parser.add_argument("--recipe", default="recipes/tiny.yaml", help="YAML recipe (default: recipes/tiny.yaml)")
+    parser.add_argument("--run-dir", default=None, help="run folder (default: runs/<recipe name>)")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied after the recipe")
+    return parser.parse_args(argv)
+
+
+def resolve(argv: list[str] | None = None) -> tuple[str, Config, RunDir]:
+    args = parse_args(argv)
+    config = load_config(args.recipe, args.overrides)
+    run = RunDir(Path(args.run_dir) if args.run_dir else Path("runs") / config.name)
+    return args.stage, config, run
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        stage, config, run = resolve(argv)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"redumix: {exc}", file=sys.stderr)
+        return 2
+    if rank() == 0:
+        run.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run.config, config_to_yaml(config))
+    print0(f"redumix {stage}: run folder {run.root}, recipe {config.name}")
+    try:
+        run_stage(stage, config, run)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"redumix {stage}: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_stage(stage: str, config: Config, run: RunDir) -> None:
+    # Imports are per stage so that `redumix base` does not pay for TRL and DeepSpeed.
+    if stage == "base":
+        from redumix.pipeline.base import run_base
+
+        run_base(config, run)
+    elif stage == "harvest":
+        from redumix.pipeline.harvest import run_harvest
+
+        run_harvest(config, run)
+    elif stage == "train":
+        from redumix.pipeline.train import run_train
+
+        run_train(config, run)
+    elif stage == "eval":
+        from redumix.pipeline.eval import run_eval
+
+        run_eval(config, run)
+    elif stage == "export":
+        from redumix.pipeline.export import run_export
+
+        run_export(config, run)
+    elif stage == "calibrate":
+        from redumix.pipeline.eval import run_calibrate
+
+        run_calibrate(config, run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
