@@ -1,0 +1,47 @@
+"""Chat-template rendering that keeps generated tokens verbatim.
+
+A multi-turn context such as x2 = [x ‖ y1 ‖ r ‖ c ‖ REDO] is built by concatenating token ids: the template's
+own text between assistant turns is tokenized piece by piece, and the model's generated ids are inserted as they
+were sampled. The cache of an earlier stage is then an exact prefix of the later context, which is what lets
+ReDuMix extend stage 1's KV cache instead of re-encoding it.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from redumix.data.prompts import Message
+
+_PLACEHOLDER = "\x1e\x1fASSISTANT_TURN\x1f\x1e"
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> list[int]:
+    """Token ids of a conversation rendered with the generation prompt, ready for the assistant's turn."""
+    text = _render(tokenizer, messages)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def template_pieces(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> list[list[int]]:
+    """The template's token ids around each assistant turn of `messages` (rendered with the generation prompt).
+
+    With k assistant turns this returns k+1 pieces; the conversation's ids are
+    pieces[0] + turn_1 + pieces[1] + ... + turn_k + pieces[k], where turn_i are the assistant's own ids.
+    """
+    masked = [dict(m, content=_PLACEHOLDER) if m["role"] == "assistant" else m for m in messages]
+    text = _render(tokenizer, masked)
+    parts = text.split(_PLACEHOLDER)
+    expected = sum(m["role"] == "assistant" for m in messages) + 1
+    if len(parts) != expected:
+        name = getattr(tokenizer, "name_or_path", "the tokenizer")
+        raise ValueError(
+            f"the chat template of {name} does not render assistant turns verbatim, so generated tokens cannot be "
+            "reused as a cache prefix; use a model whose template keeps assistant content as given"
+        )
+    return [tokenizer(part, add_special_tokens=False)["input_ids"] for part in parts]
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "the tokenizer")
+        raise ValueError(f"{name} has no chat template; redumix needs one (use an instruct/chat checkpoint)")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -1,0 +1,254 @@
+"""Cached, batched decoding: the primitives every decoder builds on, and the plain greedy/sampling decoder.
+
+A `DecodeState` is a batch of contexts: a KV cache, the attention mask over it (1 = real token, 0 = padding,
+anywhere in the row) and each row's length, which is the position id of its next token. Contexts of different
+lengths share a batch through left padding; a later segment of different length per row (a feedback turn, say)
+is left-padded inside the segment, so holes in the middle of a row are normal and masked.
+
+Rows that finish are compacted out of the batch, so a long answer never makes short ones pay for its steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from redumix.generate.accounting import Usage
+from redumix.generate.policy import SamplingPolicy, policy_logprobs, sample_tokens
+
+
+@dataclass
+class DecodeState:
+    cache: DynamicCache
+    attention_mask: torch.Tensor  # [B, L] long
+    lengths: torch.Tensor  # [B] long, real tokens per row
+    last_logits: torch.Tensor  # [B, V] float32, the distribution over each row's next token
+
+    @property
+    def batch_size(self) -> int:
+        return self.attention_mask.shape[0]
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]  # every sampled id, including the stop token when the row stopped on one
+    finished: bool  # stopped on a stop token (else it ran out of tokens)
+    cached: int  # how many of token_ids are already in the returned state's cache
+    usage: Usage = field(default_factory=Usage)
+
+    def content_ids(self, stop_ids: Sequence[int]) -> list[int]:
+        return self.token_ids[:-1] if self.finished and self.token_ids[-1] in stop_ids else self.token_ids
+
+
+# --- batch plumbing -----------------------------------------------------------------------------------------------
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        if seq:
+            ids[row, width - len(seq) :] = torch.as_tensor(seq, dtype=torch.long)
+            mask[row, width - len(seq) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.inference_mode()
+def forward(
+    model: PreTrainedModel,
+    state: DecodeState | None,
+    new_mask: torch.Tensor,
+    input_ids: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+) -> DecodeState:
+    """Run new positions [B, T] through the model on top of `state` (None = empty contexts)."""
+    batch = new_mask.shape[0]
+    if state is None:
+        past_mask = new_mask.new_zeros((batch, 0))
+        lengths = new_mask.new_zeros(batch)
+        cache = None
+    else:
+        past_mask, lengths, cache = state.attention_mask, state.lengths, state.cache
+    position_ids = (lengths[:, None] + new_mask.cumsum(dim=1) - 1).clamp(min=0)
+    attention_mask = torch.cat([past_mask, new_mask], dim=1)
+    out = model(
+        input_ids=input_ids,
+        inputs_embeds=inputs_embeds,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    logits = out.logits[:, -1].float()
+    if state is not None:
+        # A row with an empty segment keeps the distribution it had.
+        logits = torch.where(new_mask[:, -1:].bool(), logits, state.last_logits)
+    return DecodeState(out.past_key_values, attention_mask, lengths + new_mask.sum(dim=1), logits)
+
+
+def prefill(model: PreTrainedModel, prompts: Sequence[Sequence[int]], pad_id: int) -> DecodeState:
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("cannot decode from an empty prompt")
+    ids, mask = left_pad(prompts, pad_id, model.device)
+    return forward(model, None, mask, input_ids=ids)
+
+
+def extend(model: PreTrainedModel, state: DecodeState, segments: Sequence[Sequence[int]], pad_id: int) -> DecodeState:
+    """Append a segment of tokens to every row (segments may differ in length, and may be empty)."""
+    ids, mask = left_pad(segments, pad_id, model.device)
+    return forward(model, state, mask, input_ids=ids)
+
+
+def append_tokens(model: PreTrainedModel, state: DecodeState, tokens: torch.Tensor, active: torch.Tensor) -> DecodeState:
+    """Append one token per row; rows where `active` is False get a masked pad position."""
+    return forward(model, state, active.long()[:, None], input_ids=tokens[:, None])
+
+
+def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    layers = []
+    for layer in cache.layers:
+        if type(layer).__name__ != "DynamicLayer":
+            raise ValueError(f"decoding needs full-attention caches, got {type(layer).__name__}")
+        layers.append((layer.keys, layer.values))
+    return layers
+
+
+def select(state: DecodeState, rows: torch.Tensor | list[int]) -> DecodeState:
+    """A new state holding `rows` of `state`, with all-padding columns on the left trimmed away."""
+    rows = torch.as_tensor(rows, dtype=torch.long, device=state.attention_mask.device)
+    mask = state.attention_mask.index_select(0, rows)
+    first = int((mask.sum(dim=0) > 0).nonzero()[0]) if mask.any() else mask.shape[1]
+    cache = DynamicCache(
+        ddp_cache_data=[(k.index_select(0, rows)[:, :, first:], v.index_select(0, rows)[:, :, first:]) for k, v in _layers(state.cache)]
+    )
+    return DecodeState(cache, mask[:, first:], state.lengths.index_select(0, rows), state.last_logits.index_select(0, rows))
+
+
+def merge(states: Sequence[DecodeState]) -> DecodeState:
+    """Stack states along the batch, left-padding the shorter ones (cache and mask) to the longest."""
+    width = max(s.attention_mask.shape[1] for s in states)
+
+    def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+        missing = width - t.shape[dim]
+        if missing == 0:
+            return t
+        shape = list(t.shape)
+        shape[dim] = missing
+        return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+    per_state = [_layers(s.cache) for s in states]
+    layers = [
+        (torch.cat([pad(ls[i][0], 2) for ls in per_state]), torch.cat([pad(ls[i][1], 2) for ls in per_state]))
+        for i in range(len(per_state[0]))
+    ]
+    return DecodeState(
+        DynamicCache(ddp_cache_data=layers),
+        torch.cat([pad(s.attention_mask, 1) for s in states]),
+        torch.cat([s.lengths for s in states]),
+        torch.cat([s.last_logits for s in states]),
+    )
+
+
+def clone(state: DecodeState) -> DecodeState:
+    return DecodeState(
+        DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in _layers(state.cache)]),
+        state.attention_mask.clone(),
+        state.lengths.clone(),
+        state.last_logits.clone(),
+    )
+
+
+# --- the plain decoder --------------------------------------------------------------------------------------------
+
+
+def sample_loop(
+    model: PreTrainedModel,
+    state: DecodeState,
+    policy: SamplingPolicy,
+    seeds: torch.Tensor,
+    stop_ids: Sequence[int],
+    max_new_tokens: int | None = None,
+    banned_ids: Sequence[int] = (),
+    keep_state: bool = False,
+) -> tuple[list[Generation], DecodeState | None]:
+    """Decode every row of `state` until a stop token or `max_new_tokens`.
+
+    With keep_state, also returns the state of every row (in input order) with all sampled tokens but the last
+    one in its cache, ready to be extended by a later turn; `Generation.cached` says how many are in.
+    """
+    max_new_tokens = max_new_tokens or policy.max_new_tokens
+    device = state.attention_mask.device
+    stop = torch.as_tensor(list(stop_ids), device=device)
+    banned = torch.as_tensor(list(banned_ids), dtype=torch.long, device=device)
+    out = [Generation([], False, 0) for _ in range(state.batch_size)]
+    rows = list(range(state.batch_size))  # row of `state` -> index into out
+    alive = torch.ones(state.batch_size, dtype=torch.bool, device=device)
+    seeds = seeds.to(device)
+    retired: dict[int, DecodeState] = {}
+    for step in range(max_new_tokens):
+        logits = state.last_logits
+        if banned.numel():
+            logits = logits.index_fill(1, banned, float("-inf"))
+        if policy.greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = sample_tokens(policy_logprobs(logits, policy), policy, seeds, step)
+        stopped = torch.isin(tokens, stop) & alive
+        for row, token, is_alive in zip(rows, tokens.tolist(), alive.tolist(), strict=True):
+            if is_alive:
+                out[row].token_ids.append(token)
+        alive &= ~stopped
+        if stopped.any():
+            for i in stopped.nonzero().flatten().tolist():
+                out[rows[i]].finished = True
+        if step == max_new_tokens - 1 or not alive.any():
+            break
+        # Compact once a quarter of the batch (or the last row) is done: each compaction copies the cache.
+        done = int((~alive).sum())
+        if done and (done * 4 >= len(rows) or done == len(rows)):
+            if keep_state:
+                for i in (~alive).nonzero().flatten().tolist():
+                    retired[rows[i]] = select(state, [i])
+            keep = alive.nonzero().flatten()
+            state = select(state, keep)
+            rows = [rows[i] for i in keep.tolist()]
+            tokens, seeds = tokens[keep], seeds[keep]
+            alive = torch.ones(len(rows), dtype=torch.bool, device=device)
+        state = append_tokens(model, state, tokens, alive)
+        for row, is_alive in zip(rows, alive.tolist(), strict=True):
+            if is_alive:
+                out[row].cached += 1
+                out[row].usage.fpe += 1
+    for gen in out:
+        gen.usage.generated_tokens = gen.usage.visible_tokens = len(gen.token_ids)
+    if not keep_state:
+        return out, None
+    for i, row in enumerate(rows):
+        retired[row] = select(state, [i])
+    return out, merge([retired[row] for row in range(len(out))])
+
+
+def generate_batch(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    policy: SamplingPolicy,
+    seeds: Sequence[int],
+    stop_ids: Sequence[int],
+    pad_id: int,
+    max_new_tokens: int | None = None,
+    banned_ids: Sequence[int] = (),
+) -> list[Generation]:
+    """Plain decoding (greedy or sampled) of a batch of prompts."""
+    state = prefill(model, prompts, pad_id)
+    gens, _ = sample_loop(
+        model, state, policy, torch.as_tensor(list(seeds)), stop_ids, max_new_tokens, banned_ids=banned_ids
+    )
+    for gen, prompt in zip(gens, prompts, strict=True):
+        gen.usage.prefill_tokens = len(prompt)
+        gen.usage.fpe += len(prompt)
+    return gens
