@@ -1,9 +1,42 @@
-"""ReDuMix: attempt, feedback, reflection, then decoding under a per-token mixture of two contexts."""
+"""ReDuMix (shared/seeds/redumix.txt): attempt, feedback, reflection, then decoding under a per-token mixture
+of two contexts, p_mix = softmax(λ·log p(·|x, y<t) + (1−λ)·log p(·|x2, y<t)).
+
+How it differs from the seed's Algorithm 1, and why:
+- One KV cache per example grows through the stages: x, then y1, then r + REFLECT, then c, then REDO. The cache
+  that stage 1 built is the prefix of x2, never re-encoded. Context x is a copy of the cache taken right after x's
+  prefill, so the redo's two contexts cost nothing extra to set up.
+- Both contexts of every example go through one batched forward pass per token (2B rows: B for x, B for x2).
+- Policy filters (temperature, top-p, top-k) apply to the mixture, not to each context, so λ=1 reproduces plain
+  decoding exactly and λ=0 reproduces decoding from x2 exactly. The stored top-k is that of p_mix itself.
+- When x2 would not fit the model's window, the earliest part of y1 is cut and replaced by a short note (not a
+  model-written summary: it costs no tokens and keeps the later, most relevant steps). `meta` records the cut.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+import torch
+from redumix.data.prompts import REDO, attempt_messages, critique_messages, redo_messages, reflect_messages
+from redumix.generate.accounting import Usage
+from redumix.generate.chat import template_pieces
+from redumix.generate.policy import SamplingPolicy, example_seed, policy_logprobs, sample_tokens
+from redumix.generate.sampling import (
+    DecodeState,
+    Generation,
+    append_tokens,
+    clone,
+    extend,
+    merge,
+    prefill,
+    sample_loop,
+    select,
+)
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+COMPRESSION_NOTE = "(earlier steps omitted) "
 
 
 @dataclass
@@ -11,14 +44,318 @@ class RedumixConfig:
     lam: float = field(default=0.5, metadata={"help": "λ: weight of the original context x (1 = plain decoding)."})
     topk: int = field(default=32, metadata={"help": "Top-k ids of p_mix stored per redo token."})
     feedback: Literal["verifier", "human", "self"] = field(
-        default="verifier", metadata={"help": "Where r comes from: the task's answer check, a JSONL file, or the model."}
+        default="verifier",
+        metadata={"help": "Where r comes from: the task's answer check, a JSONL file, or the model."},
     )
-    feedback_file: str = field(default="", metadata={"help": "human feedback: JSONL with 'id' and 'feedback'."})
+    feedback_file: str = field(default="", metadata={"help": "human feedback: JSONL lines with 'id' and 'feedback'."})
     reflection_max_tokens: int = field(default=256, metadata={"help": "Most tokens in the reflection c."})
     critique_max_tokens: int = field(default=48, metadata={"help": "Most tokens in a self-critique r."})
 
     def __post_init__(self) -> None:
+        problems = []
         if not 0 <= self.lam <= 1:
-            raise ValueError(f"lam must be in [0, 1], got {self.lam}")
+            problems.append(f"lam must be in [0, 1], got {self.lam}")
         if self.topk < 1:
-            raise ValueError(f"topk must be >= 1, got {self.topk}")
+            problems.append(f"topk must be >= 1, got {self.topk}")
+        if self.feedback == "human" and not self.feedback_file:
+            problems.append("feedback 'human' needs feedback_file (JSONL with 'id' and 'feedback' per line)")
+        if self.reflection_max_tokens < 1 or self.critique_max_tokens < 1:
+            problems.append("reflection_max_tokens and critique_max_tokens must be >= 1")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass
+class RedumixResult:
+    original: str  # y1
+    original_ids: list[int]
+    feedback: str  # r
+    reflection: str  # c
+    reflection_ids: list[int]  # c as sampled (its text drops special tokens, so it may not re-tokenize to this)
+    redo: str  # y
+    redo_token_ids: list[int]  # every sampled id of y, the stop token included when it ended on one
+    topk_ids: list[list[int]]  # per redo token: top-k ids of p_mix, most likely first
+    topk_logprobs: list[list[float]]  # their log p_mix
+    usage: Usage
+    meta: dict = field(default_factory=dict)
+
+
+# Feedback for example i given the text of its attempt; None asks the model for a self-critique.
+FeedbackFn = Callable[[int, str], str]
+
+
+def redumix_generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    example_ids: Sequence[str],
+    config: RedumixConfig,
+    policy: SamplingPolicy,
+    stop_ids: Sequence[int],
+    feedback: FeedbackFn | None,
+    lam: float | None = None,
+) -> list[RedumixResult]:
+    """Run the four ReDuMix stages on a batch of prompts. `lam` overrides config.lam (eval's λ sweep)."""
+    lam = config.lam if lam is None else lam
+    pad_id = tokenizer.pad_token_id
+    seeds = {stage: _seeds(policy.seed, example_ids, stage) for stage in ("attempt", "critique", "reflect", "redo")}
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    usage = [Usage() for _ in prompts]
+
+    # --- stage 1: y1 = generate(x), keeping the cache ---
+    x_ids = [template_pieces(tokenizer, attempt_messages(p))[0] for p in prompts]
+    state = prefill(model, x_ids, pad_id)
+    x_context = clone(state)
+    attempts, state = sample_loop(model, state, policy, seeds["attempt"], stop_ids, keep_state=True)
+    y1 = [g.content_ids(stop_ids) for g in attempts]
+    y1_text = [decode(ids) for ids in y1]
+    for u, x, g in zip(usage, x_ids, attempts, strict=True):
+        u.prefill_tokens += len(x)
+        u.fpe += len(x) + g.usage.fpe
+
+    # --- stage 2: feedback r ---
+    if feedback is None:
+        critiques = _continue(
+            model,
+            tokenizer,
+            clone(state),
+            attempts,
+            y1,
+            stop_ids,
+            policy,
+            seeds["critique"],
+            [critique_messages(p, t) for p, t in zip(prompts, y1_text, strict=True)],
+            config.critique_max_tokens,
+            usage,
+            keep_state=False,
+        )[0]
+        r_text = [decode(g.content_ids(stop_ids)) for g in critiques]
+    else:
+        r_text = [feedback(i, t) for i, t in enumerate(y1_text)]
+
+    # --- stage 3: c = generate([x ‖ y1 ‖ r ‖ REFLECT]), compressing y1 where x2 would overflow the window ---
+    reflect_convs = [reflect_messages(p, t, r) for p, t, r in zip(prompts, y1_text, r_text, strict=True)]
+    state, cut = _fit_window(model, tokenizer, state, attempts, y1, x_ids, reflect_convs, config, policy, usage)
+    y1_in_context = [ids[n:] for ids, n in zip(y1, cut, strict=True)]
+    reflections, state = _continue(
+        model,
+        tokenizer,
+        state,
+        attempts,
+        y1_in_context,
+        stop_ids,
+        policy,
+        seeds["reflect"],
+        reflect_convs,
+        config.reflection_max_tokens,
+        usage,
+        keep_state=True,
+        cut=cut,
+    )
+    c = [g.content_ids(stop_ids) for g in reflections]
+    c_text = [decode(ids) for ids in c]
+
+    # --- stage 4: x2 = [x ‖ y1 ‖ r ‖ c ‖ REDO]; decode y under the mixture of x and x2 ---
+    redo_convs = [redo_messages(p, t, r, ct) for p, t, r, ct in zip(prompts, y1_text, r_text, c_text, strict=True)]
+    segments = [
+        ids[g.cached :] + template_pieces(tokenizer, conv)[2]
+        for ids, g, conv in zip(c, reflections, redo_convs, strict=True)
+    ]
+    state = extend(model, state, segments, pad_id)
+    for u, seg in zip(usage, segments, strict=True):
+        u.prefill_tokens += len(seg)
+        u.fpe += len(seg)
+    x2_lengths = state.lengths.tolist()
+    redo = mixture_loop(model, x_context, state, lam, config.topk, policy, seeds["redo"], stop_ids)
+
+    results = []
+    for i, (gen, topk_ids, topk_lp) in enumerate(redo):
+        usage[i].fpe += gen.usage.fpe
+        usage[i].generated_tokens = sum(len(g.token_ids) for g in (attempts[i], reflections[i], gen))
+        usage[i].visible_tokens = len(gen.token_ids)
+        results.append(
+            RedumixResult(
+                original=y1_text[i],
+                original_ids=y1[i],
+                feedback=r_text[i],
+                reflection=c_text[i],
+                reflection_ids=c[i],
+                redo=decode(gen.content_ids(stop_ids)),
+                redo_token_ids=gen.token_ids,
+                topk_ids=topk_ids,
+                topk_logprobs=topk_lp,
+                usage=usage[i],
+                meta={
+                    "lam": lam,
+                    "feedback": "self" if feedback is None else config.feedback,
+                    "tokens": {
+                        "x": len(x_ids[i]),
+                        "x2": x2_lengths[i],
+                        "original": len(attempts[i].token_ids),
+                        "reflection": len(reflections[i].token_ids),
+                        "redo": len(gen.token_ids),
+                    },
+                    "finished": {
+                        "original": attempts[i].finished,
+                        "reflection": reflections[i].finished,
+                        "redo": gen.finished,
+                    },
+                    "y1_compressed_tokens": cut[i],
+                    "fpe": usage[i].fpe,
+                    "prefill_tokens": usage[i].prefill_tokens,
+                },
+            )
+        )
+    return results
+
+
+def _seeds(global_seed: int, example_ids: Sequence[str], stage: str) -> torch.Tensor:
+    return torch.tensor([example_seed(global_seed, f"{eid}/{stage}") for eid in example_ids], dtype=torch.long)
+
+
+def _continue(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    state: DecodeState,
+    previous: list[Generation],
+    previous_ids: list[list[int]],
+    stop_ids: Sequence[int],
+    policy: SamplingPolicy,
+    seeds: torch.Tensor,
+    conversations: list[list[dict]],
+    max_new_tokens: int,
+    usage: list[Usage],
+    keep_state: bool,
+    cut: Sequence[int] | None = None,
+) -> tuple[list[Generation], DecodeState | None]:
+    """Close the previous assistant turn, add the next user turn, and generate the next assistant turn.
+
+    The segment fed is what of the previous turn is not yet cached, then the template's text up to the new
+    assistant turn (the second-to-last template piece of `conversations`).
+    """
+    segments = []
+    for i, (gen, ids, conv) in enumerate(zip(previous, previous_ids, conversations, strict=True)):
+        already = len(ids) if cut is not None and cut[i] else gen.cached  # a cut row's y1 was re-encoded whole
+        segments.append(ids[already:] + template_pieces(tokenizer, conv)[-1])
+    state = extend(model, state, segments, tokenizer.pad_token_id)
+    gens, state = sample_loop(model, state, policy, seeds, stop_ids, max_new_tokens, keep_state=keep_state)
+    for u, seg, g in zip(usage, segments, gens, strict=True):
+        u.prefill_tokens += len(seg)
+        u.fpe += len(seg) + g.usage.fpe
+    return gens, state
+
+
+def _fit_window(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    state: DecodeState,
+    attempts: list[Generation],
+    y1: list[list[int]],
+    x_ids: list[list[int]],
+    reflect_convs: list[list[dict]],
+    config: RedumixConfig,
+    policy: SamplingPolicy,
+    usage: list[Usage],
+) -> tuple[DecodeState, list[int]]:
+    """Cut the earliest tokens of y1 where x2 could outgrow the window. Returns the state and tokens cut per row.
+
+    A cut row cannot reuse its cache (its prefix changed): it is re-encoded as x ‖ note ‖ tail of y1, and the
+    stage-3 segment for it is then only the template text after y1.
+    """
+    window = getattr(model.config, "max_position_embeddings", None)
+    if not window:
+        return state, [0] * len(y1)
+    # Worst case of x2 plus the redo: x ‖ y1 ‖ r + REFLECT ‖ c (at its cap) ‖ REDO ‖ y (at its cap).
+    reflect_piece = [template_pieces(tokenizer, conv)[1] for conv in reflect_convs]
+    redo_piece = [
+        template_pieces(tokenizer, [*conv, {"role": "assistant", "content": ""}, {"role": "user", "content": REDO}])[2]
+        for conv in reflect_convs
+    ]
+    note_len = len(tokenizer(COMPRESSION_NOTE, add_special_tokens=False)["input_ids"])
+    cut = []
+    for x, ids, piece1, piece2 in zip(x_ids, y1, reflect_piece, redo_piece, strict=True):
+        worst = len(x) + len(ids) + len(piece1) + config.reflection_max_tokens + len(piece2) + policy.max_new_tokens
+        overflow = worst - window
+        cut.append(0 if overflow <= 0 else min(len(ids), overflow + note_len))
+    if not any(cut):
+        return state, cut
+    note = tokenizer(COMPRESSION_NOTE, add_special_tokens=False)["input_ids"]
+    keep = [i for i, n in enumerate(cut) if n == 0]
+    redo_rows = [i for i, n in enumerate(cut) if n]
+    fresh = prefill(model, [x_ids[i] + note + y1[i][cut[i] :] for i in redo_rows], tokenizer.pad_token_id)
+    for i in redo_rows:
+        usage[i].prefill_tokens += len(x_ids[i]) + len(note) + len(y1[i]) - cut[i]
+        usage[i].fpe += len(x_ids[i]) + len(note) + len(y1[i]) - cut[i]
+    parts = ([select(state, keep)] if keep else []) + [fresh]
+    order = keep + redo_rows
+    merged = merge(parts)
+    return select(merged, [order.index(i) for i in range(len(order))]), cut
+
+
+@torch.inference_mode()
+def mixture_loop(
+    model: PreTrainedModel,
+    x_context: DecodeState,
+    x2_context: DecodeState,
+    lam: float,
+    topk: int,
+    policy: SamplingPolicy,
+    seeds: torch.Tensor,
+    stop_ids: Sequence[int],
+    max_new_tokens: int | None = None,
+) -> list[tuple[Generation, list[list[int]], list[list[float]]]]:
+    """Decode B examples from the mixture of their two contexts, one batched forward of 2B rows per token.
+
+    Returns, per example, the generation and the top-k ids and log-probs of p_mix at every emitted token.
+    """
+    max_new_tokens = max_new_tokens or policy.max_new_tokens
+    state = merge([x_context, x2_context])  # rows 0..B-1 hold x, rows B..2B-1 hold x2
+    device = state.attention_mask.device
+    stop = torch.as_tensor(list(stop_ids), device=device)
+    out = [(Generation([], False, 0), [], []) for _ in range(x_context.batch_size)]
+    rows = list(range(x_context.batch_size))  # example of each live pair
+    alive = torch.ones(len(rows), dtype=torch.bool, device=device)
+    seeds = seeds.to(device)
+    for step in range(max_new_tokens):
+        half = len(rows)
+        logp = torch.log_softmax(state.last_logits, dim=-1)
+        if lam == 1 or lam == 0:  # exact, so λ=1 is plain decoding from x and λ=0 from x2, bit for bit
+            mix = logp[:half] if lam == 1 else logp[half:]
+        else:
+            mix = torch.log_softmax(lam * logp[:half] + (1 - lam) * logp[half:], dim=-1)
+        top = torch.topk(mix, min(topk, mix.shape[-1]), dim=-1)
+        tokens = (
+            mix.argmax(dim=-1) if policy.greedy else sample_tokens(policy_logprobs(mix, policy), policy, seeds, step)
+        )
+        stopped = torch.isin(tokens, stop) & alive
+        for row, token, ids, lps, is_alive, is_stopped in zip(
+            rows,
+            tokens.tolist(),
+            top.indices.tolist(),
+            top.values.tolist(),
+            alive.tolist(),
+            stopped.tolist(),
+            strict=True,
+        ):
+            if is_alive:
+                gen, topk_ids, topk_lp = out[row]
+                gen.token_ids.append(token)
+                topk_ids.append(ids)
+                topk_lp.append(lps)
+                gen.finished = is_stopped
+        alive &= ~stopped
+        if step == max_new_tokens - 1 or not alive.any():
+            break
+        done = int((~alive).sum())
+        if done and done * 4 >= len(rows):  # compact lazily: each compaction copies the cache
+            keep = alive.nonzero().flatten()
+            state = select(state, torch.cat([keep, keep + half]))
+            rows = [rows[i] for i in keep.tolist()]
+            tokens, seeds = tokens[keep], seeds[keep]
+            alive = torch.ones(len(rows), dtype=torch.bool, device=device)
+        state = append_tokens(model, state, torch.cat([tokens, tokens]), torch.cat([alive, alive]))
+        for row, is_alive in zip(rows, alive.tolist(), strict=True):
+            if is_alive:
+                out[row][0].cached += 1
+                out[row][0].usage.fpe += 2
+    return out

@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random chat models built in-process (no network, no downloaded weights)."""
+
+from __future__ import annotations
+
+import string
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+SPECIALS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|reflect|>", "<|/reflect|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer with a chat template whose turn markers are single special ids."""
+    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars + ["<|unk|>"])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<|pad|>",
+        eos_token="<|end|>",
+        unk_token="<|unk|>",
+        additional_special_tokens=SPECIALS[2:],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def build_tiny_model(tokenizer, arch: str = "qwen2", seed: int = 0, max_positions: int = 2048, hidden: int = 32):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=max_positions,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tiny_tokenizer):
+    """(model, tokenizer): a 2-layer random Qwen2 with a character-level chat tokenizer."""
+    return build_tiny_model(tiny_tokenizer), tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_chat_model(tiny_tokenizer):
+    return build_tiny_model(tiny_tokenizer, arch="llama", seed=1), tiny_tokenizer

@@ -1,0 +1,130 @@
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from redumix.data.grading import verifier_feedback
+from redumix.data.prompts import attempt_messages, redo_messages
+from redumix.data.tasks import load_gsm8k
+from redumix.generate.accounting import ForwardCounter
+from redumix.generate.chat import prompt_ids, template_pieces
+from redumix.generate.model_io import stop_token_ids
+from redumix.generate.policy import SamplingPolicy, example_seed
+from redumix.generate.redumix import RedumixConfig, redumix_generate
+from redumix.generate.sampling import generate_batch
+from tests.conftest import build_tiny_model
+
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+PROMPTS = ["What is 3 + 4?", "Tom has 12 apples and eats 5. How many are left?", "2 * 8 = ?"]
+IDS = ["a", "b", "c"]
+
+
+def run(model, tokenizer, lam, policy=None, prompts=PROMPTS, ids=IDS, feedback="verifier", **config):
+    policy = policy or SamplingPolicy(max_new_tokens=12)
+    config = RedumixConfig(lam=lam, reflection_max_tokens=10, critique_max_tokens=6, feedback=feedback, **config)
+    fb = None if feedback == "self" else (lambda i, text: verifier_feedback(text, "7"))
+    return redumix_generate(model, tokenizer, prompts, ids, config, policy, stop_token_ids(model, tokenizer), fb)
+
+
+def seeds_for(stage, ids=IDS, seed=0):
+    return [example_seed(seed, f"{eid}/{stage}") for eid in ids]
+
+
+def test_lam_one_is_plain_decoding_from_x(tiny_chat_model):
+    model, tok = tiny_chat_model
+    results = run(model, tok, lam=1.0)
+    plain = generate_batch(
+        model,
+        [prompt_ids(tok, attempt_messages(p)) for p in PROMPTS],
+        SamplingPolicy(max_new_tokens=12),
+        seeds_for("redo"),
+        stop_token_ids(model, tok),
+        tok.pad_token_id,
+    )
+    for res, gen in zip(results, plain, strict=True):
+        assert res.redo_token_ids == gen.token_ids
+        assert res.original_ids == gen.content_ids(stop_token_ids(model, tok))  # greedy attempt == greedy redo at λ=1
+
+
+def test_lam_zero_is_plain_decoding_from_x2(tiny_chat_model):
+    model, tok = tiny_chat_model
+    policy = SamplingPolicy(temperature=0.9, top_p=0.95, max_new_tokens=12, seed=3)
+    results = run(model, tok, lam=0.0, policy=policy)
+    x2 = []
+    for p, res in zip(PROMPTS, results, strict=True):
+        pieces = template_pieces(tok, redo_messages(p, res.original, res.feedback, res.reflection))
+        x2.append(pieces[0] + res.original_ids + pieces[1] + res.reflection_ids + pieces[2])
+    plain = generate_batch(model, x2, policy, seeds_for("redo", seed=3), stop_token_ids(model, tok), tok.pad_token_id)
+    for res, gen in zip(results, plain, strict=True):
+        assert res.redo_token_ids == gen.token_ids
+
+
+def test_mixture_topk_is_descending_and_a_subdistribution(tiny_chat_model):
+    model, tok = tiny_chat_model
+    results = run(model, tok, lam=0.5, policy=SamplingPolicy(temperature=1.0, max_new_tokens=12), topk=8)
+    for res in results:
+        assert len(res.topk_ids) == len(res.redo_token_ids) > 0
+        for ids, lps in zip(res.topk_ids, res.topk_logprobs, strict=True):
+            assert len(ids) == len(lps) == 8
+            assert all(a >= b for a, b in zip(lps, lps[1:]))
+            assert math.fsum(math.exp(v) for v in lps) <= 1 + 1e-5
+
+
+def test_mixture_is_the_normalised_geometric_mean(tiny_chat_model):
+    """At the first redo token, the stored p_mix equals softmax(λ log p1 + (1-λ) log p2), computed by hand."""
+    model, tok = tiny_chat_model
+    lam = 0.3
+    [res] = run(model, tok, lam=lam, prompts=PROMPTS[:1], ids=IDS[:1], topk=len(tok))
+    x = prompt_ids(tok, attempt_messages(PROMPTS[0]))
+    pieces = template_pieces(tok, redo_messages(PROMPTS[0], res.original, res.feedback, res.reflection))
+    x2 = pieces[0] + res.original_ids + pieces[1] + res.reflection_ids + pieces[2]
+    with torch.no_grad():
+        lp1 = torch.log_softmax(model(torch.tensor([x])).logits[0, -1], -1)
+        lp2 = torch.log_softmax(model(torch.tensor([x2])).logits[0, -1], -1)
+    expected = torch.log_softmax(lam * lp1 + (1 - lam) * lp2, -1)
+    stored = torch.full_like(expected, float("nan"))
+    stored[torch.tensor(res.topk_ids[0])] = torch.tensor(res.topk_logprobs[0])
+    torch.testing.assert_close(stored, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("feedback", ["verifier", "self"])
+def test_reported_fpe_equals_forward_counter(tiny_chat_model, feedback):
+    model, tok = tiny_chat_model
+    with ForwardCounter(model) as counter:
+        results = run(
+            model, tok, lam=0.5, policy=SamplingPolicy(temperature=1.0, max_new_tokens=12), feedback=feedback
+        )
+    assert sum(r.usage.fpe for r in results) == counter.tokens
+    assert all(r.usage.prefill_tokens > 0 for r in results)
+
+
+def test_rows_do_not_depend_on_their_batch(tiny_chat_model):
+    model, tok = tiny_chat_model
+    policy = SamplingPolicy(temperature=1.0, max_new_tokens=12, seed=5)
+    together = run(model, tok, lam=0.5, policy=policy)
+    alone = run(model, tok, lam=0.5, policy=policy, prompts=PROMPTS[1:2], ids=IDS[1:2])
+    assert together[1].redo_token_ids == alone[0].redo_token_ids
+    assert together[1].reflection == alone[0].reflection
+
+
+def test_overflowing_x2_compresses_the_attempt_and_records_it(tiny_tokenizer):
+    policy = SamplingPolicy(max_new_tokens=30)
+    roomy = build_tiny_model(tiny_tokenizer, max_positions=4096)
+    [full] = run(roomy, tiny_tokenizer, lam=0.5, policy=policy, prompts=PROMPTS[:1], ids=IDS[:1])
+    assert full.meta["y1_compressed_tokens"] == 0
+    window = full.meta["tokens"]["x2"] - full.meta["tokens"]["reflection"] + 10 + 30 - 4  # worst case less 4
+    tight = build_tiny_model(tiny_tokenizer, max_positions=window)  # same seed, so the same weights
+    with ForwardCounter(tight) as counter:
+        [res] = run(tight, tiny_tokenizer, lam=0.5, policy=policy, prompts=PROMPTS[:1], ids=IDS[:1])
+    assert res.meta["y1_compressed_tokens"] >= 4
+    assert res.usage.fpe == counter.tokens
+    assert res.meta["tokens"]["x2"] + len(res.redo_token_ids) <= window
+
+
+@pytest.mark.skipif(not GSM8K.is_file(), reason="shared GSM8K files not present")
+def test_runs_on_real_gsm8k_prompts(tiny_chat_model):
+    model, tok = tiny_chat_model
+    examples = load_gsm8k(GSM8K)[:4]
+    results = run(model, tok, lam=0.5, prompts=[e.prompt for e in examples], ids=[e.id for e in examples])
+    assert len(results) == 4 and all(r.redo_token_ids for r in results)
