@@ -31,6 +31,30 @@ def reflect_messages(prompt: str, attempt: str, feedback: str) -> list[Message]:
     ]
 
 
+REFINE = "Solve it again. Check each step the long way before you trust it."
+
+
+def format_workspace(solutions: list[str]) -> str:
+    """The PDR workspace: earlier solutions, numbered, each ending with its final answer."""
+    return "\n\n".join(f"Solution {i}:\n{text.strip()}" for i, text in enumerate(solutions, start=1))
+
+
+def refine_messages(prompt: str, workspace: str) -> list[Message]:
+    """PDR refine step: [x ‖ "Earlier solutions:" ‖ workspace ‖ REFINE] as one user turn."""
+    return [{"role": "user", "content": f"{prompt}\nEarlier solutions:\n{workspace.strip()}\n{REFINE}"}]
+
+
+DISTILL = (
+    "Summarise these solutions briefly: list the distinct final answers, which steps they agree on, "
+    "and where they disagree. Do not solve the problem again."
+)
+
+
+def distill_messages(prompt: str, drafts: list[str]) -> list[Message]:
+    """PDR model distill step: [x ‖ drafts ‖ DISTILL]; the reply becomes the bounded workspace."""
+    return [{"role": "user", "content": f"{prompt}\nSolutions:\n{format_workspace(drafts)}\n{DISTILL}"}]
+
+
 def redo_messages(prompt: str, attempt: str, feedback: str, reflection: str) -> list[Message]:
     """x2 = [x ‖ y1 ‖ r ‖ c ‖ REDO]"""
     return [

@@ -1,9 +1,47 @@
-"""`redumix harvest`: run ReDuMix over a task split and write resumable Arrow shards."""
+"""`redumix harvest`: run ReDuMix over a task split and write original/redo pairs with p_mix into Arrow shards.
+
+Resume and multi-process work the same way. The example list is fixed by the config, and shard k always holds
+examples [k·S, (k+1)·S). A rank owns the shards k ≡ rank (mod world size) and skips the ones already on disk.
+A shard appears atomically and its rows do not depend on which process made it or what ran before (sampling is
+seeded per example and per stage, and batches are cut inside the shard). So a rerun after a crash, or a run on
+another number of processes, produces the same rows, and `manifest.json`, written last by rank 0, marks the stage
+complete. The fingerprint of the config sections that decide the rows guards against mixing shards of two configs.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import yaml
+from tqdm import tqdm
+
+from redumix.data.grading import is_correct, verifier_feedback
+from redumix.data.shards import encode_shard, iter_rows, shard_name, shard_paths
+from redumix.data.tasks import Example, load_examples, read_jsonl_by_id
+from redumix.pipeline.run import (
+    RunDir,
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    barrier,
+    init_distributed,
+    log_metrics,
+    model_path,
+    print0,
+    rank,
+    read_json,
+    world_size,
+)
+
+if TYPE_CHECKING:
+    from redumix.generate.redumix import FeedbackFn, RedumixResult
+    from redumix.pipeline.config import Config
 
 
 @dataclass
@@ -12,3 +50,217 @@ class HarvestConfig:
     split: Literal["train", "test"] = field(default="train", metadata={"help": "Task split to harvest from."})
     batch_size: int = field(default=32, metadata={"help": "Examples decoded together."})
     shard_rows: int = field(default=256, metadata={"help": "Rows per Arrow shard (a shard is the unit of resume)."})
+
+    def __post_init__(self) -> None:
+        problems = [f"{name} must be >= 1" for name in ("n", "batch_size", "shard_rows") if getattr(self, name) < 1]
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+def run_harvest(config: Config, run: RunDir) -> None:
+    out = run.harvest
+    fingerprint = harvest_fingerprint(config)
+    manifest_path = out / "manifest.json"
+    if manifest_path.exists():
+        _check_fingerprint(read_json(manifest_path).get("fingerprint"), fingerprint, out)
+        print0(f"harvest: complete ({manifest_path}), skipping. Delete {out} to harvest again.")
+        return
+    init_distributed()
+    ensure_base(config, run)
+    _claim_folder(out, config, fingerprint)
+
+    examples = load_examples(config.task, config.harvest.split, config.harvest.n, config.seed)
+    rows_per_shard = config.harvest.shard_rows
+    n_shards = math.ceil(len(examples) / rows_per_shard)
+    mine = [k for k in range(n_shards) if k % world_size() == rank()]
+    todo = [k for k in mine if not (out / shard_name(k)).exists()]
+    if len(todo) < len(mine):
+        print0(f"harvest: resuming, {len(mine) - len(todo)} of {len(mine)} shards already on disk")
+
+    if todo:
+        harvest_shards(config, run, examples, todo)
+    barrier()
+    if rank() == 0:
+        manifest = summarize(config, out, n_shards, fingerprint)
+        atomic_write_json(manifest_path, manifest)  # last: its presence means the stage is complete
+        log_metrics(run, "harvest", **{k: v for k, v in manifest.items() if isinstance(v, (int, float))})
+        print0(format_summary(manifest))
+
+
+def harvest_shards(config: Config, run: RunDir, examples: list[Example], shards: list[int]) -> None:
+    from redumix.generate.model_io import load_model, stop_token_ids
+    from redumix.generate.redumix import redumix_generate
+
+    path = model_path(config.model.path, run)
+    model, tokenizer = load_model(path, config.model.dtype, config.model.device, config.model.trust_remote_code)
+    stop_ids = stop_token_ids(model, tokenizer)
+    size = config.harvest.shard_rows
+    total = sum(len(examples[k * size : (k + 1) * size]) for k in shards)
+    bar = tqdm(total=total, desc=f"harvest[rank {rank()}]", unit="ex", disable=rank() != 0 and world_size() > 1)
+    for k in shards:
+        shard = examples[k * size : (k + 1) * size]
+        rows = []
+        for start in range(0, len(shard), config.harvest.batch_size):
+            batch = shard[start : start + config.harvest.batch_size]
+            began = time.perf_counter()
+            results = redumix_generate(
+                model, tokenizer, [e.prompt for e in batch], [e.id for e in batch], config.redumix, config.sampling,
+                stop_ids, feedback_fn(config, batch),
+            )
+            seconds = (time.perf_counter() - began) / len(batch)
+            rows += [make_row(e, r, config, str(path), seconds) for e, r in zip(batch, results, strict=True)]
+            bar.update(len(batch))
+            bar.set_postfix(redo_acc=f"{sum(bool(r['redo_correct']) for r in rows) / len(rows):.2f}")
+        atomic_write_bytes(run.harvest / shard_name(k), encode_shard(rows))
+        log_metrics(run, "harvest", shard=k, rows=len(rows))
+    bar.close()
+
+
+def feedback_fn(config: Config, batch: list[Example]) -> FeedbackFn | None:
+    """r for each example: the verifier's verdict, the human's line for its id, or None (the model critiques)."""
+    mode = config.redumix.feedback
+    if mode == "self":
+        return None
+    if mode == "verifier":
+        return lambda i, attempt: verifier_feedback(attempt, batch[i].reference)
+    human = _human_feedback(config.redumix.feedback_file)
+    missing = [e.id for e in batch if e.id not in human]
+    if missing:
+        raise ValueError(f"{config.redumix.feedback_file}: no feedback for ids {missing[:5]} (one line per example id)")
+    return lambda i, attempt: human[batch[i].id]
+
+
+_HUMAN: dict[str, dict[str, str]] = {}
+
+
+def _human_feedback(path: str) -> dict[str, str]:
+    if path not in _HUMAN:
+        _HUMAN[path] = read_jsonl_by_id(Path(path), "feedback")
+    return _HUMAN[path]
+
+
+def make_row(example: Example, result: RedumixResult, config: Config, model: str, seconds: float) -> dict:
+    graded = bool(example.reference)
+    return {
+        "id": example.id,
+        "task": example.task,
+        "prompt": example.prompt,
+        "reference": example.reference,
+        "original": result.original,
+        "original_correct": is_correct(result.original, example.reference) if graded else None,
+        "feedback": result.feedback,
+        "reflection": result.reflection,
+        "redo": result.redo,
+        "redo_correct": is_correct(result.redo, example.reference) if graded else None,
+        "redo_token_ids": result.redo_token_ids,
+        "mix_topk_ids": result.topk_ids,
+        "mix_topk_logprobs": result.topk_logprobs,
+        "lam": result.meta["lam"],
+        "meta": {
+            **result.meta,
+            "model": model,
+            "fingerprint": harvest_fingerprint(config),
+            "seed": config.seed,
+            "sampling": asdict(config.sampling),
+            "redumix": asdict(config.redumix),
+            "seconds": round(seconds, 4),
+        },
+    }
+
+
+# --- completion, fingerprints, summary ----------------------------------------------------------------------------
+
+
+def harvest_fingerprint(config: Config) -> str:
+    """Hash of everything that decides the rows (not batch size: rows do not depend on it)."""
+    decisive = {
+        "seed": config.seed,
+        "model": asdict(config.model),
+        "base": asdict(config.base) if config.model.path == "base" else None,
+        "task": asdict(config.task),
+        "sampling": asdict(config.sampling),
+        "redumix": asdict(config.redumix),
+        "harvest": {"n": config.harvest.n, "split": config.harvest.split, "shard_rows": config.harvest.shard_rows},
+    }
+    return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _check_fingerprint(found: str | None, expected: str, out: Path) -> None:
+    if found != expected:
+        raise ValueError(
+            f"{out} holds a harvest made with a different config (fingerprint {found}, this config {expected}); "
+            "use another --run-dir, or delete that folder to harvest again"
+        )
+
+
+def _claim_folder(out: Path, config: Config, fingerprint: str) -> None:
+    """Record which config the shards in `out` belong to, or refuse to mix in shards of another config."""
+    marker = out / "fingerprint.json"
+    if rank() == 0:
+        if marker.exists():
+            _check_fingerprint(read_json(marker).get("fingerprint"), fingerprint, out)
+        elif shard_paths(out):
+            raise ValueError(f"{out} holds shards but no fingerprint.json; delete the folder to harvest again")
+        else:
+            atomic_write_json(marker, {"fingerprint": fingerprint})
+            atomic_write_text(out / "config.yaml", yaml.safe_dump(asdict(config), sort_keys=False))
+    barrier()
+    if rank() != 0:
+        _check_fingerprint(read_json(marker).get("fingerprint"), fingerprint, out)
+
+
+def ensure_base(config: Config, run: RunDir) -> None:
+    """The embedded default is built on first use, by rank 0 while the others wait."""
+    from redumix.pipeline.base import base_is_complete, run_base
+
+    if config.model.path == "base" and not base_is_complete(run):
+        if rank() == 0:
+            print0("base: the embedded default model is not built yet; building it first")
+            run_base(config, run)
+        barrier()
+
+
+def summarize(config: Config, out: Path, n_shards: int, fingerprint: str) -> dict:
+    paths = [out / shard_name(k) for k in range(n_shards)]
+    missing = [p.name for p in paths if not p.exists()]
+    if missing:
+        raise RuntimeError(f"harvest: shards {missing} are missing after every rank finished; rerun the harvest")
+    n = original_right = redo_right = fixed = broken = graded = redo_tokens = fpe = 0
+    seconds = 0.0
+    for row in iter_rows(paths):
+        meta = json.loads(row["meta"])
+        n += 1
+        redo_tokens += len(row["redo_token_ids"])
+        fpe += meta["fpe"]
+        seconds += meta["seconds"]
+        if row["original_correct"] is not None:
+            graded += 1
+            original_right += row["original_correct"]
+            redo_right += row["redo_correct"]
+            fixed += (not row["original_correct"]) and row["redo_correct"]
+            broken += row["original_correct"] and not row["redo_correct"]
+    return {
+        "fingerprint": fingerprint,
+        "rows": n,
+        "shards": [p.name for p in paths],
+        "shard_bytes": sum(p.stat().st_size for p in paths),
+        "graded": graded,
+        "original_accuracy": original_right / max(graded, 1),
+        "redo_accuracy": redo_right / max(graded, 1),
+        "fixed": fixed,
+        "broken": broken,
+        "lam": config.redumix.lam,
+        "feedback": config.redumix.feedback,
+        "redo_tokens": redo_tokens,
+        "fpe": fpe,
+        "decode_seconds": round(seconds, 2),
+        "examples_per_s": round(n / seconds, 2) if seconds else None,
+    }
+
+
+def format_summary(m: dict) -> str:
+    return (
+        f"harvest: {m['rows']} rows in {len(m['shards'])} shards ({m['shard_bytes'] / 1e6:.1f} MB). "
+        f"original accuracy {m['original_accuracy']:.1%} -> redo accuracy {m['redo_accuracy']:.1%} "
+        f"(λ={m['lam']}, {m['feedback']} feedback; fixed {m['fixed']}, broke {m['broken']}, n={m['graded']})"
+    )

@@ -106,3 +106,32 @@ def log_metrics(run: RunDir, stage: str, **values: Any) -> None:
     line = json.dumps({"time": round(time.time(), 3), "stage": stage, **values}) + "\n"
     with open(run.metrics, "a") as f:
         f.write(line)
+
+
+def model_path(setting: str, run: RunDir) -> Path:
+    """'base' names the embedded default in the run folder; anything else is a local model folder."""
+    return run.base if setting == "base" else Path(setting)
+
+
+# --- processes ----------------------------------------------------------------------------------------------------
+
+
+def init_distributed() -> None:
+    """Join the process group when launched with several ranks (torchrun / accelerate); gloo works on CPU."""
+    import torch.distributed as dist
+
+    if world_size() > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if _cuda() else "gloo")
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

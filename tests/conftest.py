@@ -21,7 +21,7 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
     vocab = {tok: i for i, tok in enumerate(SPECIALS + chars + ["<|unk|>"])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,

@@ -1,0 +1,124 @@
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+
+from redumix.data.shards import iter_rows, shard_paths
+from redumix.pipeline.cli import main
+from redumix.pipeline.config import load_config
+from redumix.pipeline.harvest import run_harvest
+from redumix.pipeline.run import RunDir
+from tests.conftest import build_tiny_model, build_tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = [
+    "harvest.n=8", "harvest.shard_rows=2", "harvest.batch_size=2", "sampling.max_new_tokens=6",
+    "sampling.temperature=1.0", "redumix.reflection_max_tokens=6", "redumix.topk=8",
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-model")
+    tokenizer = build_tiny_tokenizer()
+    build_tiny_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def harvest(run_dir: Path, model_dir: Path, *extra: str) -> list[dict]:
+    config = load_config(ROOT / "recipes" / "tiny.yaml", [f"model.path={model_dir}", *SMALL, *extra])
+    run_harvest(config, RunDir(run_dir))
+    return list(iter_rows(shard_paths(run_dir / "harvest")))
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    """Rows without the wall-clock timing in meta, which legitimately differs between runs."""
+    out = []
+    for row in rows:
+        meta = json.loads(row["meta"])
+        meta.pop("seconds")
+        out.append({**row, "meta": meta})
+    return out
+
+
+def test_shards_hold_the_design_columns_and_a_valid_mixture(tmp_path, model_dir):
+    rows = harvest(tmp_path, model_dir)
+    assert len(rows) == 8 and len({r["id"] for r in rows}) == 8
+    ds = datasets.load_dataset("arrow", data_files=[str(p) for p in shard_paths(tmp_path / "harvest")], split="train")
+    assert ds.num_rows == 8
+    for column in ("id", "prompt", "original", "feedback", "reflection", "redo", "redo_token_ids", "mix_topk_ids",
+                   "mix_topk_logprobs", "lam", "meta", "original_correct", "redo_correct", "reference", "task"):
+        assert column in ds.column_names
+    for row in rows:
+        assert len(row["mix_topk_ids"]) == len(row["mix_topk_logprobs"]) == len(row["redo_token_ids"]) > 0
+        for lps in row["mix_topk_logprobs"]:
+            assert all(a >= b for a, b in zip(lps, lps[1:]))
+            assert math.fsum(math.exp(v) for v in lps) <= 1 + 1e-3  # float16 storage rounds each entry by 2**-11
+        assert row["lam"] == 0.5
+    manifest = json.loads((tmp_path / "harvest" / "manifest.json").read_text())
+    assert manifest["rows"] == 8 and len(manifest["shards"]) == 4
+
+
+def test_complete_harvest_is_skipped_and_another_config_is_refused(tmp_path, model_dir, capsys):
+    harvest(tmp_path, model_dir)
+    before = {p.name: p.stat().st_mtime_ns for p in shard_paths(tmp_path / "harvest")}
+    harvest(tmp_path, model_dir)
+    assert "complete" in capsys.readouterr().out
+    assert before == {p.name: p.stat().st_mtime_ns for p in shard_paths(tmp_path / "harvest")}
+    with pytest.raises(ValueError, match="different config"):
+        harvest(tmp_path, model_dir, "redumix.lam=0.7")
+
+
+def test_killed_harvest_resumes_to_the_same_rows(tmp_path, model_dir):
+    expected = comparable(harvest(tmp_path / "whole", model_dir))
+    run_dir = tmp_path / "killed"
+    command = [sys.executable, "-m", "redumix.pipeline.cli", "harvest", "--recipe", str(ROOT / "recipes" / "tiny.yaml"),
+               "--run-dir", str(run_dir), f"model.path={model_dir}", *SMALL]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not shard_paths(run_dir / "harvest") and time.time() < deadline and process.poll() is None:
+        time.sleep(0.05)
+    time.sleep(random.uniform(0, 0.5))  # somewhere inside a later shard, or after the last
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (run_dir / "harvest" / "manifest.json").exists() or process.returncode == 0
+    resumed = comparable(harvest(run_dir, model_dir))
+    assert resumed == expected
+    leftovers = [p for p in (run_dir / "harvest").iterdir() if p.name.endswith(".tmp")]
+    assert len(leftovers) <= 1  # at most the torn temporary file of the killed write, never a torn shard
+
+
+def test_human_feedback_file_errors_name_file_and_line(tmp_path, model_dir):
+    bad = tmp_path / "feedback.jsonl"
+    bad.write_text('{"id": "arith-train-000000", "feedback": "Check step 2."}\n{"id": oops}\n')
+    with pytest.raises(ValueError, match=r"feedback.jsonl:2: not valid JSON"):
+        harvest(tmp_path / "run", model_dir, "redumix.feedback=human", f"redumix.feedback_file={bad}")
+
+
+def test_cli_reports_unknown_keys_and_missing_model(tmp_path, capsys):
+    assert main(["harvest", "--recipe", str(ROOT / "recipes/tiny.yaml"), "--run-dir", str(tmp_path),
+                 "harvest.lamda=0.3", "redumix.lam=2"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'harvest.lamda'" in err and "lam must be in [0, 1]" in err and "command line" in err
+    assert main(["harvest", "--recipe", str(ROOT / "recipes/tiny.yaml"), "--run-dir", str(tmp_path),
+                 f"model.path={tmp_path / 'nowhere'}"]) == 1
+    assert "no model at" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_processes_harvest_the_same_rows_as_one(tmp_path, model_dir):
+    expected = comparable(harvest(tmp_path / "one", model_dir))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "redumix.pipeline.cli", "harvest", "--recipe", str(ROOT / "recipes" / "tiny.yaml"),
+               "--run-dir", str(tmp_path / "two"), f"model.path={model_dir}", *SMALL]
+    subprocess.run(command, cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+    assert comparable(list(iter_rows(shard_paths(tmp_path / "two" / "harvest")))) == expected
