@@ -1,0 +1,180 @@
+"""Decoding benchmarks. Every number is a ratio of two timings taken side by side in one run, interleaved and
+repeated, with the median kept: the machine is shared and noisy, so absolute times mean little.
+
+  dual_context_overhead       ReDuMix mixture decode time per token / plain decode time per token
+  baseline_vs_hf_generate_b1  our decoder's tokens/s / `model.generate`'s, batch 1 (greedy, same length)
+  baseline_vs_hf_generate_b8  the same at batch 8
+  batched_harvest_speedup     ReDuMix examples/s at batch 16 / examples/s one at a time
+  shard_bytes_per_token       shard bytes on disk / redo tokens, at k=32 (plus the KL of the stored top-k)
+
+The model is the embedded default when `runs/tiny/base` exists (`make base`), else a random Llama of its shape.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from redumix.data.grading import verifier_feedback
+from redumix.data.prompts import attempt_messages
+from redumix.data.shards import encode_shard, read_shard
+from redumix.data.tasks import TaskConfig, load_examples
+from redumix.generate.chat import prompt_ids
+from redumix.generate.policy import SamplingPolicy
+from redumix.generate.redumix import RedumixConfig, mixture_loop, redumix_generate
+from redumix.generate.sampling import clone, generate_batch, prefill
+
+BASE = Path("runs/tiny/base")
+TOKENS = 48
+
+
+def load() -> tuple[torch.nn.Module, object, str]:
+    if (BASE / "config.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(BASE).eval()
+        tokenizer = AutoTokenizer.from_pretrained(BASE)
+        return model, tokenizer, f"embedded default ({BASE})"
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.conftest import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=192, num_hidden_layers=4, num_attention_heads=6,
+                         num_key_value_heads=6, intermediate_size=512, max_position_embeddings=2048,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return LlamaForCausalLM(config).eval(), tokenizer, "random Llama of the embedded default's shape"
+
+
+def median_ratio(numerator: Callable[[], float], denominator: Callable[[], float], repeats: int = 5) -> float:
+    """Median of numerator()/denominator() over interleaved repeats (a warm-up pair first)."""
+    numerator(), denominator()
+    ratios = []
+    for _ in range(repeats):
+        ratios.append(numerator() / denominator())
+    return statistics.median(ratios)
+
+
+def timed(fn: Callable[[], object]) -> float:
+    began = time.perf_counter()
+    fn()
+    return time.perf_counter() - began
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    examples = load_examples(TaskConfig(), "test", n, seed=0)
+    return [prompt_ids(tokenizer, attempt_messages(e.prompt)) for e in examples]
+
+
+def dual_context_overhead(model, tokenizer, batch: int = 8) -> float:
+    """Per-token cost of the mixture loop (2B rows; x2 longer than x) against the plain loop on x (B rows)."""
+    xs = prompts(tokenizer, batch)
+    x2s = [x + x[1:] + x[1:] for x in xs]  # a longer second context, as x2 is
+    policy = SamplingPolicy(max_new_tokens=TOKENS)
+    seeds = torch.arange(batch)
+    pad = tokenizer.pad_token_id
+    x_state, x2_state = prefill(model, xs, pad), prefill(model, x2s, pad)
+
+    def plain() -> float:
+        return timed(lambda: generate_batch(model, xs, policy, seeds.tolist(), [], pad)) - timed(
+            lambda: prefill(model, xs, pad))
+
+    def mixture() -> float:
+        return timed(lambda: mixture_loop(model, clone(x_state), clone(x2_state), 0.5, 32, policy, seeds, []))
+
+    return median_ratio(mixture, plain)
+
+
+def baseline_vs_hf_generate(model, tokenizer, batch: int) -> float:
+    xs = prompts(tokenizer, batch)
+    pad = tokenizer.pad_token_id
+    policy = SamplingPolicy(max_new_tokens=TOKENS)
+    padded = tokenizer.pad({"input_ids": xs}, return_tensors="pt", padding_side="left")
+
+    def ours() -> float:
+        return timed(lambda: generate_batch(model, xs, policy, list(range(batch)), [], pad))
+
+    def hf() -> float:
+        return timed(lambda: model.generate(**padded, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False,
+                                            pad_token_id=pad))
+
+    return median_ratio(hf, ours)  # time ratio hf/ours == tokens/s ratio ours/hf
+
+
+def batched_harvest_speedup(model, tokenizer, n: int = 16) -> float:
+    examples = load_examples(TaskConfig(), "train", n, seed=0)
+    config = RedumixConfig(reflection_max_tokens=96)
+    policy = SamplingPolicy(max_new_tokens=64)
+    stop = [tokenizer.eos_token_id]
+
+    def run(batch: int) -> float:
+        def go():
+            for start in range(0, n, batch):
+                part = examples[start : start + batch]
+                redumix_generate(model, tokenizer, [e.prompt for e in part], [e.id for e in part], config, policy, stop,
+                                 lambda i, a, part=part: verifier_feedback(a, part[i].reference))
+        return timed(go)
+
+    return median_ratio(lambda: run(1), lambda: run(16), repeats=1)  # time at b1 / time at b16 == speedup
+
+
+def shard_bytes_per_token(model, tokenizer, n: int = 64) -> tuple[float, float]:
+    """Bytes per redo token of a real shard at k=32, and the max KL between stored and exact top-k + tail."""
+    examples = load_examples(TaskConfig(), "train", n, seed=0)
+    config = RedumixConfig(topk=32)
+    policy = SamplingPolicy(max_new_tokens=96, temperature=1.0)
+    rows = []
+    for start in range(0, n, 16):
+        part = examples[start : start + 16]
+        results = redumix_generate(model, tokenizer, [e.prompt for e in part], [e.id for e in part], config, policy,
+                                   [tokenizer.eos_token_id], lambda i, a, part=part: verifier_feedback(a, part[i].reference))
+        for e, r in zip(part, results, strict=True):
+            rows.append({"id": e.id, "task": e.task, "prompt": e.prompt, "reference": e.reference,
+                         "original": r.original, "original_correct": None, "feedback": r.feedback,
+                         "reflection": r.reflection, "redo": r.redo, "redo_correct": None,
+                         "redo_token_ids": r.redo_token_ids, "mix_topk_ids": r.topk_ids,
+                         "mix_topk_logprobs": r.topk_logprobs, "lam": 0.5, "meta": r.meta})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "shard-00000.arrow"
+        path.write_bytes(encode_shard(rows))
+        size = path.stat().st_size
+        stored = read_shard(path).column("mix_topk_logprobs").to_pylist()
+    tokens = sum(len(r["redo_token_ids"]) for r in rows)
+    worst = 0.0
+    for row, back in zip(rows, stored, strict=True):
+        for exact, approx in zip(row["mix_topk_logprobs"], back, strict=True):
+            worst = max(worst, _kl_with_tail(exact, approx))
+    return size / tokens, worst
+
+
+def _kl_with_tail(exact: list[float], approx: list[float]) -> float:
+    """KL(exact ‖ stored) over the top-k entries plus the tail bucket that holds the rest of the mass."""
+    p = [math.exp(v) for v in exact]
+    q = [math.exp(v) for v in approx]
+    p.append(max(1e-12, 1 - math.fsum(p)))
+    q.append(max(1e-12, 1 - math.fsum(q)))
+    return math.fsum(a * math.log(a / b) for a, b in zip(p, q, strict=True) if a > 0)
+
+
+def run() -> dict[str, float | str]:
+    torch.set_num_threads(2)
+    model, tokenizer, source = load()
+    bytes_per_token, kl = shard_bytes_per_token(model, tokenizer)
+    return {
+        "decode_model": source,
+        "dual_context_overhead": round(dual_context_overhead(model, tokenizer), 3),
+        "baseline_vs_hf_generate_b1": round(baseline_vs_hf_generate(model, tokenizer, 1), 3),
+        "baseline_vs_hf_generate_b8": round(baseline_vs_hf_generate(model, tokenizer, 8), 3),
+        "batched_harvest_speedup": round(batched_harvest_speedup(model, tokenizer), 3),
+        "shard_bytes_per_token": round(bytes_per_token, 2),
+        "shard_max_kl_vs_exact_topk": kl,
+    }

@@ -1,0 +1,29 @@
+"""`make bench`: run every benchmark and write bench/results.json, one key per ratio, then print it."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from bench import bench_decode, bench_reflective, bench_train
+
+RESULTS = Path(__file__).with_name("results.json")
+
+
+def main() -> None:
+    results: dict[str, object] = {}
+    for module in (bench_decode, bench_train, bench_reflective):
+        began = time.perf_counter()
+        results.update(module.run())
+        print(f"{module.__name__}: {time.perf_counter() - began:.0f} s", flush=True)
+    results["machine"] = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

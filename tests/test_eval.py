@@ -1,0 +1,85 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from redumix.generate.accounting import ForwardCounter
+from redumix.pipeline.config import load_config
+from redumix.pipeline.eval import DEFAULT_DECODERS, decode, run_eval, wilson_interval
+from redumix.pipeline.run import RunDir
+from redumix.data.tasks import load_examples
+from tests.conftest import build_tiny_model, build_tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
+SMALL = [
+    "sampling.max_new_tokens=6", "redumix.reflection_max_tokens=5", "redumix.critique_max_tokens=4",
+    "pdr.drafts=2", "pdr.rounds=1", "pdr.workspace_tokens=24", "eval.batch_size=2",
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen")
+    tokenizer = build_tiny_tokenizer()
+    build_tiny_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_wilson_interval_matches_known_values():
+    low, high = wilson_interval(50, 100)
+    assert low == pytest.approx(0.4038, abs=1e-4) and high == pytest.approx(0.5962, abs=1e-4)
+    assert wilson_interval(0, 10)[0] == pytest.approx(0.0, abs=1e-12)
+    assert wilson_interval(10, 10)[1] == pytest.approx(1.0, abs=1e-12)
+    assert wilson_interval(0, 10)[1] == pytest.approx(0.2775, abs=1e-4)
+
+
+@pytest.mark.parametrize("decoder", DEFAULT_DECODERS)
+def test_reported_fpe_equals_forward_counter_for_every_decoder(decoder, model_dir):
+    config = load_config(ROOT / "recipes" / "tiny.yaml", [f"model.path={model_dir}", *SMALL])
+    from redumix.generate.model_io import load_model
+
+    model, tokenizer = load_model(model_dir)
+    examples = load_examples(config.task, "test", 3, config.seed)
+    earlier = {}
+    if decoder.startswith("reflective-"):
+        earlier["reflective"] = [
+            {"extra": {"visible_tokens": 6, "n_reflections": 1, "hidden_tokens": 3}} for _ in examples
+        ]
+    with ForwardCounter(model) as counter:
+        outputs = decode(config, decoder, model, tokenizer, examples, earlier)
+    assert len(outputs) == 3
+    assert sum(o["fpe"] for o in outputs) == counter.tokens > 0
+    assert all(o["prefill_tokens"] > 0 for o in outputs)
+
+
+@pytest.mark.skipif(not GSM8K.is_dir(), reason="shared GSM8K files not present")
+def test_eval_on_real_gsm8k_writes_parseable_reports_and_resumes(tmp_path, model_dir):
+    overrides = [f"model.path={model_dir}", "task.name=gsm8k", f"task.path={GSM8K}", "eval.n=8", "eval.n_other=4",
+                 *SMALL]
+    config = load_config(ROOT / "recipes" / "tiny.yaml", overrides)
+    run = RunDir(tmp_path)
+    run_eval(config, run)
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    decoders = {row["decoder"] for row in report["rows"]}
+    assert decoders == set(config.eval.decoders)
+    assert {row["checkpoint"] for row in report["rows"]} == {"base"}  # no tuned model in this run folder
+    for row in report["rows"]:
+        assert row["n"] == (8 if row["decoder"] == "greedy" else 4)
+        assert 0 <= row["ci_low"] <= row["accuracy"] <= row["ci_high"] <= 1
+        for key in ("mean_tokens", "mean_fpe", "prefill_tokens", "wall_s", "tokens_per_s"):
+            assert row[key] >= 0
+    markdown = (tmp_path / "eval" / "report.md").read_text()
+    assert all(f"| {d} |" in markdown for d in decoders)
+    assert (tmp_path / "eval" / "accuracy_vs_fpe.png").read_bytes()[:4] == b"\x89PNG"
+    generations = tmp_path / "eval" / "generations" / "base--greedy.jsonl"
+    lines = [json.loads(x) for x in generations.read_text().splitlines()]
+    assert len(lines) == 8 and all("<|reflect|>" not in x["output"] for x in lines)
+
+    # A rerun of a complete eval is skipped; after losing the report it is rebuilt from the records, not redone.
+    before = generations.stat().st_mtime_ns
+    (tmp_path / "eval" / "report.json").unlink()
+    run_eval(config, run)
+    assert generations.stat().st_mtime_ns == before
+    assert json.loads((tmp_path / "eval" / "report.json").read_text())["rows"] == report["rows"]
