@@ -1,11 +1,637 @@
-"""Hidden-KV Reflective Decoding (shared/seeds/reflective-decoding.txt)."""
+"""Hidden-KV Reflective Decoding (shared/seeds/reflective-decoding.txt, sections 3.2-3.9).
+
+When the next visible token is uncertain, the row pauses its visible output, appends R_START to its KV cache,
+samples hidden tokens under a reflection policy, and appends R_END; then visible decoding resumes from a cache
+that holds the reflection. The user never sees the hidden tokens or the markers.
+
+How it differs from the seed's pseudocode, and why:
+- Batched: every example is a row of one `DecodeState` with its own state machine (visible or hidden mode,
+  armed/cooldown, budgets). Each step feeds one segment per row: a visible token, R_START, or a hidden token.
+- The peek is a *crop-back branch*, not a cache copy: the hidden token h and R_END go through the model in one
+  forward pass ("dual-path batching", seed 3.4): the logits at h's position are the next hidden distribution, the
+  logits after R_END are the peek. Causal attention means h's logits cannot see R_END. If the row goes on
+  reflecting, R_END is cropped back off (physically when no row keeps its peek, else masked out as a hole).
+  `dual_path=False` runs the same thing as two forward passes (the sequential baseline `make bench` compares).
+- When the peek says stop, its R_END *is* the main path's R_END: the branch is adopted, not recomputed. The seed's
+  formula FPE = V + H(1+m_e) + N_ref(m_s+m_e) charges that append twice; here a peek-stopped reflection costs
+  m_s + H_i(1+m_e), so FPE = prefill + V_fed + H(1+m_e) + N_ref·m_s. Fixed-length reflections (no peek) cost
+  m_s + H_i + m_e. Each part is in `Usage.extra` and the sum equals `ForwardCounter`'s count.
+- A model that was trained with check spans (the embedded default) may write R_END itself (single-id markers
+  only): the reflection then ends there, at the model's own choice, without a peek.
+- Δ-NLL is measured on the first visible token emitted after a reflection, under the model's own distribution
+  (temperature 1, banlist applied, no truncation, so it stays finite): NLL after minus NLL before. Δ-uncertainty is
+  the gate's u after minus before. Negative means the reflection made the model surer.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from redumix.generate.accounting import Usage
+from redumix.generate.policy import SamplingPolicy, policy_logprobs, sample_tokens, uniform_noise
+from redumix.generate.sampling import DecodeState, left_pad, prefill, select
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+GateKind = Literal["norm_entropy", "entropy", "one_minus_pmax", "margin", "topk_entropy"]
+Ablation = Literal["gate", "periodic", "random", "fixed"]
 
 
 @dataclass
 class ReflectiveConfig:
+    gate: GateKind = field(
+        default="norm_entropy",
+        metadata={
+            "help": "Uncertainty u of the visible policy: entropy normalised by log|S| (in [0,1]), raw "
+            "entropy (nats), 1-p_max, margin (p_2/p_1, 1 = tie) or entropy of the top gate_top_k."
+        },
+    )
+    gate_top_k: int = field(default=10, metadata={"help": "k of the topk_entropy gate."})
     tau_high: float = field(default=0.65, metadata={"help": "Trigger when uncertainty exceeds this."})
     tau_low: float = field(default=0.45, metadata={"help": "Re-arm the gate once uncertainty falls below this."})
+    tau_stop: float = field(
+        default=0.45, metadata={"help": "End a reflection once the peek's uncertainty after R_END is at most this."}
+    )
+    reflect_temperature: float = field(
+        default=1.0, metadata={"help": "Temperature of the hidden reflection policy (0 = greedy)."}
+    )
+    reflect_top_p: float = field(default=0.95, metadata={"help": "Top-p of the hidden reflection policy."})
+    reflect_length: int = field(default=24, metadata={"help": "L_reflect: most hidden tokens in one reflection."})
+    budget_total: int = field(default=64, metadata={"help": "B_total: most hidden tokens per example."})
+    cooldown: int = field(default=4, metadata={"help": "Visible tokens after a reflection before another may start."})
+    ablation: Ablation = field(
+        default="gate",
+        metadata={
+            "help": "gate: uncertainty-gated with peek stop; periodic: every `period` visible tokens; random: "
+            "with probability random_rate per visible token; fixed: gated, no peek stop (reflect_length)."
+        },
+    )
+    period: int = field(default=16, metadata={"help": "periodic ablation: visible tokens between reflections."})
+    random_rate: float = field(default=0.1, metadata={"help": "random ablation: trigger probability per step."})
+    dual_path: bool = field(
+        default=True, metadata={"help": "Run each hidden step and its peek in one forward pass (else two)."}
+    )
+    model_may_end: bool = field(
+        default=True,
+        metadata={"help": "A sampled single-id R_END ends the reflection (models trained on check spans)."},
+    )
+    marker_start: str = field(default="<|reflect|>", metadata={"help": "R_START if the tokenizer has it as one id."})
+    marker_end: str = field(default="<|/reflect|>", metadata={"help": "R_END if the tokenizer has it as one id."})
+    reflection_only_tokens: list[str] = field(
+        default_factory=list, metadata={"help": "Tokens allowed inside reflections only (banned when visible)."}
+    )
+    audit: bool = field(
+        default=False, metadata={"help": "Keep hidden tokens and markers in the results (never on by default)."}
+    )
+    calibrate_rate: float = field(
+        default=0.1, metadata={"help": "`redumix calibrate`: target reflections per visible token."}
+    )
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.tau_low > self.tau_high:
+            problems.append(f"tau_low ({self.tau_low}) must be <= tau_high ({self.tau_high})")
+        if self.gate_top_k < 2:
+            problems.append(f"gate_top_k must be >= 2, got {self.gate_top_k}")
+        if self.reflect_temperature < 0:
+            problems.append(f"reflect_temperature must be >= 0, got {self.reflect_temperature}")
+        if not 0 < self.reflect_top_p <= 1:
+            problems.append(f"reflect_top_p must be in (0, 1], got {self.reflect_top_p}")
+        if self.reflect_length < 1:
+            problems.append(f"reflect_length must be >= 1, got {self.reflect_length}")
+        if self.budget_total < 0:
+            problems.append(f"budget_total must be >= 0, got {self.budget_total}")
+        if self.cooldown < 0:
+            problems.append(f"cooldown must be >= 0, got {self.cooldown}")
+        if self.period < 1:
+            problems.append(f"period must be >= 1, got {self.period}")
+        if not 0 <= self.random_rate <= 1:
+            problems.append(f"random_rate must be in [0, 1], got {self.random_rate}")
+        if not 0 < self.calibrate_rate < 1:
+            problems.append(f"calibrate_rate must be in (0, 1), got {self.calibrate_rate}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass
+class ReflectiveResult:
+    token_ids: list[int]  # visible ids, including the stop token when the row stopped on one
+    text: str  # visible text without the stop token; never holds a marker
+    finished: bool
+    usage: Usage
+    n_reflections: int = 0
+    hidden_tokens: int = 0
+    reflection_lengths: list[int] = field(default_factory=list)
+    reflection_positions: list[int] = field(default_factory=list)  # visible tokens emitted before each reflection
+    uncertainty: list[float] = field(default_factory=list)  # the gate's u at every visible step
+    delta_uncertainty: list[float] = field(default_factory=list)  # u after − u before, per reflection
+    delta_nll: list[float] = field(default_factory=list)  # NLL after − before of the next visible token
+    audit_ids: list[int] = field(default_factory=list)  # audit only: everything after the prompt, markers included
+    audit_text: str = ""
+
+
+# --- markers and banlists -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Markers:
+    start: list[int]
+    end: list[int]
+    source: Literal["named", "reserved", "sequence"]
+
+    @property
+    def single_ids(self) -> bool:
+        return len(self.start) == 1 and len(self.end) == 1
+
+
+_FALLBACK_MARKERS = [(" ⟦reflect⟧", " ⟦/reflect⟧"), (" <<<reflect>>>", " <<</reflect>>>"), (" @@r@@", " @@/r@@")]
+_STABILITY_CONTEXTS = [("", ""), ("x", "y"), ("= ", " 12"), ("\n", "\n"), ("The answer", "."), ("42", "7")]
+
+
+def _single_id(tokenizer: PreTrainedTokenizerBase, text: str) -> int | None:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids[0] if len(ids) == 1 and ids[0] != tokenizer.unk_token_id else None
+
+
+def _is_stable(tokenizer: PreTrainedTokenizerBase, text: str) -> bool:
+    """The marker's ids appear unchanged whatever surrounds it (BPE merges never reach across it)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids or tokenizer.unk_token_id in ids:
+        return False
+    for before, after in _STABILITY_CONTEXTS:
+        full = tokenizer(before + text + after, add_special_tokens=False)["input_ids"]
+        if not any(full[i : i + len(ids)] == ids for i in range(len(full) - len(ids) + 1)):
+            return False
+    return True
+
+
+def resolve_markers(tokenizer: PreTrainedTokenizerBase, config: ReflectiveConfig) -> Markers:
+    """R_START/R_END: the named single-id tokens, else two reserved/unused special tokens, else a stable sequence."""
+    start, end = _single_id(tokenizer, config.marker_start), _single_id(tokenizer, config.marker_end)
+    if start is not None and end is not None:
+        return Markers([start], [end], "named")
+    template = getattr(tokenizer, "chat_template", None) or ""
+    vocab = tokenizer.get_vocab()
+    reserved = sorted(
+        (i, t)
+        for t, i in vocab.items()
+        if ("reserved" in t.lower() or "unused" in t.lower()) and t not in template and _single_id(tokenizer, t) == i
+    )
+    if len(reserved) >= 2:
+        return Markers([reserved[0][0]], [reserved[1][0]], "reserved")
+    for start_text, end_text in _FALLBACK_MARKERS:
+        if _is_stable(tokenizer, start_text) and _is_stable(tokenizer, end_text):
+            start_ids = tokenizer(start_text, add_special_tokens=False)["input_ids"]
+            end_ids = tokenizer(end_text, add_special_tokens=False)["input_ids"]
+            if start_ids != end_ids[: len(start_ids)]:
+                return Markers(start_ids, end_ids, "sequence")
+    raise ValueError(f"{tokenizer.name_or_path}: found no usable reflection markers (no single-id or stable sequence)")
+
+
+def _completing_ids(tail: Sequence[int], sequences: Sequence[Sequence[int]]) -> list[int]:
+    """Ids that would complete one of `sequences` after `tail` (a single-id sequence is always banned)."""
+    banned = []
+    for seq in sequences:
+        prefix = list(seq[:-1])
+        if not prefix or list(tail[len(tail) - len(prefix) :]) == prefix:
+            banned.append(seq[-1])
+    return banned
+
+
+def _ban(logits: torch.Tensor, banned_per_row: list[list[int]]) -> torch.Tensor:
+    rows = [r for r, ids in enumerate(banned_per_row) for _ in ids]
+    cols = [i for ids in banned_per_row for i in ids]
+    if not cols:
+        return logits
+    logits = logits.clone()
+    logits[rows, cols] = float("-inf")
+    return logits
+
+
+# --- the uncertainty gate -------------------------------------------------------------------------------------------
+
+
+def uncertainty(logprobs: torch.Tensor, kind: GateKind = "norm_entropy", top_k: int = 10) -> torch.Tensor:
+    """u per row from the log-probs of the distribution the policy samples from (−inf outside its support S)."""
+    support = torch.isfinite(logprobs)
+    probs = logprobs.exp()
+    plogp = torch.where(support, probs * logprobs, torch.zeros_like(probs))
+    size = support.sum(dim=-1)
+    if kind == "entropy":
+        return -plogp.sum(dim=-1)
+    if kind == "norm_entropy":
+        log_size = size.clamp(min=2).float().log()
+        return torch.where(size > 1, -plogp.sum(dim=-1) / log_size, torch.zeros_like(log_size))
+    top = torch.topk(logprobs, min(max(top_k, 2), logprobs.shape[-1]), dim=-1).values
+    if kind == "one_minus_pmax":
+        return 1 - top[:, 0].exp()
+    if kind == "margin":
+        return torch.where(size > 1, (top[:, 1] - top[:, 0]).exp(), torch.zeros_like(top[:, 0]))
+    if kind == "topk_entropy":
+        kept = torch.log_softmax(top, dim=-1)
+        finite = torch.isfinite(kept)
+        ent = -torch.where(finite, kept.exp() * kept, torch.zeros_like(kept)).sum(dim=-1)
+        return ent / math.log(top.shape[-1])
+    raise ValueError(f"unknown gate {kind!r}")
+
+
+# --- one step: the main segment and the peek, in one forward pass or two --------------------------------------------
+
+
+def _run(
+    model: PreTrainedModel, state: DecodeState, ids: torch.Tensor, mask: torch.Tensor, n_logits: int
+) -> tuple[DecodeState, torch.Tensor]:
+    """Like sampling.forward, but returns the logits of the last `n_logits` positions [B, n_logits, V]."""
+    position_ids = (state.lengths[:, None] + mask.cumsum(dim=1) - 1).clamp(min=0)
+    attention_mask = torch.cat([state.attention_mask, mask], dim=1)
+    out = model(
+        input_ids=ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=state.cache,
+        use_cache=True,
+        logits_to_keep=n_logits,
+    )
+    new = DecodeState(out.past_key_values, attention_mask, state.lengths + mask.sum(dim=1), state.last_logits)
+    return new, out.logits.float()
+
+
+@torch.inference_mode()
+def step_with_peek(
+    model: PreTrainedModel,
+    state: DecodeState,
+    main: Sequence[Sequence[int]],
+    peek: Sequence[Sequence[int]],
+    pad_id: int,
+    dual_path: bool = True,
+) -> tuple[DecodeState, torch.Tensor, torch.Tensor | None]:
+    """Append each row's `main` segment, then its `peek` segment (R_END, or empty) on top of it.
+
+    Returns the state with both appended (settle it with `settle_peeks`), the logits after each row's main
+    segment [B, V] and, if any row peeked, the logits after its peek [B, V]. All peeks have the same length.
+    """
+    device = state.attention_mask.device
+    main_ids, main_mask = left_pad(main, pad_id, device)
+    width = max(len(p) for p in peek)
+    if width == 0:
+        state, logits = _run(model, state, main_ids, main_mask, 1)
+        return state, logits[:, -1], None
+    peek_ids = torch.full((len(peek), width), pad_id, dtype=torch.long, device=device)
+    peek_mask = torch.zeros((len(peek), width), dtype=torch.long, device=device)
+    for row, seq in enumerate(peek):
+        if seq:
+            peek_ids[row] = torch.as_tensor(seq, device=device)
+            peek_mask[row] = 1
+    if dual_path:
+        ids, mask = torch.cat([main_ids, peek_ids], dim=1), torch.cat([main_mask, peek_mask], dim=1)
+        state, logits = _run(model, state, ids, mask, width + 1)
+        return state, logits[:, 0], logits[:, -1]
+    state, main_logits = _run(model, state, main_ids, main_mask, 1)
+    state, peek_logits = _run(model, state, peek_ids, peek_mask, 1)
+    return state, main_logits[:, -1], peek_logits[:, -1]
+
+
+def settle_peeks(state: DecodeState, peeked: torch.Tensor, keep: torch.Tensor, width: int) -> DecodeState:
+    """Crop the last `width` positions (the peeks) back off every row except those in `keep`, which adopt theirs.
+
+    When no row keeps its peek the columns are cut from the cache; otherwise they are masked out as holes.
+    """
+    drop = peeked & ~keep
+    lengths = state.lengths - width * drop.long()
+    if not keep.any():
+        for layer in state.cache.layers:
+            layer.crop(-width)
+        return DecodeState(state.cache, state.attention_mask[:, :-width], lengths, state.last_logits)
+    mask = state.attention_mask.clone()
+    mask[drop, -width:] = 0
+    return DecodeState(state.cache, mask, lengths, state.last_logits)
+
+
+# --- the decoder ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Row:
+    """One example's state machine."""
+
+    index: int
+    seed: int
+    hidden_mode: bool = False
+    armed: bool = True
+    cooldown: int = 0
+    since_reflection: int = 0  # visible tokens since the last reflection (or the start)
+    visible: list[int] = field(default_factory=list)
+    current: list[int] = field(default_factory=list)  # hidden tokens of the reflection in progress
+    hidden_used: int = 0
+    hidden_draws: int = 0  # hidden samples drawn, R_END included: the step of the hidden noise stream
+    finished: bool = False
+    done: bool = False
+    u_before: float = 0.0
+    logprobs_before: torch.Tensor | None = None  # model log-probs [V] at the trigger, for Δ-NLL
+    fed_visible: int = 0
+    peek_tokens: int = 0
+    marker_tokens: int = 0
+    peak_cache: int = 0
+    finish_time: float = 0.0
+    trace: list[int] = field(default_factory=list)
+    result: ReflectiveResult = field(default_factory=lambda: ReflectiveResult([], "", False, Usage()))
+
+
+def _stream(seeds: torch.Tensor, salt: int) -> torch.Tensor:
+    # Hidden sampling and random triggers draw from their own noise streams, so that visible sampling stays
+    # exactly that of plain decoding until the first reflection.
+    return (seeds.long() * 0x9E3779B1 + salt) & ((1 << 31) - 1)
+
+
+def _should_trigger(row: _Row, u: float, trigger_noise: float, config: ReflectiveConfig) -> bool:
+    if row.hidden_used >= config.budget_total or row.cooldown > 0:
+        return False
+    if config.ablation == "periodic":
+        return row.since_reflection >= config.period
+    if config.ablation == "random":
+        return trigger_noise < config.random_rate
+    return row.armed and u > config.tau_high
+
+
+@torch.inference_mode()
+def reflective_generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    policy: SamplingPolicy,
+    seeds: Sequence[int],
+    stop_ids: Sequence[int],
+    pad_id: int,
+    config: ReflectiveConfig,
+    max_new_tokens: int | None = None,
+) -> list[ReflectiveResult]:
+    """Reflective decoding of a batch of prompts: one `ReflectiveResult` per prompt, in order."""
+    max_new_tokens = max_new_tokens or policy.max_new_tokens
+    markers = resolve_markers(tokenizer, config)
+    m_s, m_e = len(markers.start), len(markers.end)
+    reflect_policy = SamplingPolicy(
+        temperature=config.reflect_temperature, top_p=config.reflect_top_p, max_new_tokens=max_new_tokens
+    )
+    only_reflection = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in config.reflection_only_tokens]
+    visible_banned = [markers.start, markers.end, *only_reflection]
+    model_may_end = config.model_may_end and markers.single_ids and config.ablation != "fixed"
+    hidden_banned = [markers.start, *([] if model_may_end else [markers.end]), *[[s] for s in stop_ids if s >= 0]]
+    stop = set(stop_ids)
+    peeks = config.ablation != "fixed"
+
+    started = time.perf_counter()
+    state = prefill(model, prompts, pad_id)
+    rows = [_Row(i, int(s)) for i, s in enumerate(seeds)]
+    active = list(rows)  # row i of `state` is active[i]
+    batch_peak_bytes = 0
+    while active:
+        seeds_t = torch.as_tensor([r.seed for r in active], device=state.attention_mask.device)
+        main: list[list[int]] = [[] for _ in active]
+        peek: list[list[int]] = [[] for _ in active]
+        ends: list[bool] = [False] * len(active)  # the peek appended this step, if any, ends the reflection
+
+        # --- visible rows: gate, then either R_START or a visible token
+        vis = [i for i, r in enumerate(active) if not r.hidden_mode and not r.done]
+        if vis:
+            raw = _ban(state.last_logits[vis], [_completing_ids(active[i].visible, visible_banned) for i in vis])
+            logprobs = policy_logprobs(raw, policy)
+            u = uncertainty(logprobs, config.gate, config.gate_top_k).tolist()
+            steps = torch.as_tensor([len(active[i].visible) for i in vis], device=raw.device)
+            tokens = sample_tokens(logprobs, policy, seeds_t[vis], steps).tolist()
+            trigger_noise = uniform_noise(_stream(seeds_t[vis], 0x2545F491), steps, 1)[:, 0].tolist()
+            model_lp = torch.log_softmax(raw, dim=-1)
+            for j, i in enumerate(vis):
+                row = active[i]
+                if _should_trigger(row, u[j], trigger_noise[j], config):
+                    row.hidden_mode, row.armed, row.current = True, False, []
+                    row.u_before, row.logprobs_before = u[j], model_lp[j]
+                    row.result.reflection_positions.append(len(row.visible))
+                    main[i] = list(markers.start)
+                    row.marker_tokens += m_s
+                    continue
+                if row.logprobs_before is not None:  # first visible token after a reflection
+                    row.result.delta_uncertainty.append(u[j] - row.u_before)
+                    row.result.delta_nll.append(float(row.logprobs_before[tokens[j]] - model_lp[j, tokens[j]]))
+                    row.logprobs_before = None
+                row.visible.append(tokens[j])
+                row.result.uncertainty.append(u[j])
+                row.since_reflection += 1
+                row.cooldown = max(0, row.cooldown - 1)
+                if u[j] < config.tau_low:
+                    row.armed = True
+                if tokens[j] in stop or len(row.visible) >= max_new_tokens:
+                    row.done, row.finished = True, tokens[j] in stop
+                    row.finish_time = time.perf_counter() - started
+                else:
+                    main[i] = [tokens[j]]
+                    row.fed_visible += 1
+
+        # --- hidden rows: sample a hidden token, peek after it
+        hid = [i for i, r in enumerate(active) if r.hidden_mode and not main[i]]
+        if hid:
+            raw = _ban(state.last_logits[hid], [_completing_ids(active[i].current, hidden_banned) for i in hid])
+            steps = torch.as_tensor([active[i].hidden_draws for i in hid], device=raw.device)
+            hidden_seeds = _stream(seeds_t[hid], 0x68E31DA4)
+            tokens = sample_tokens(policy_logprobs(raw, reflect_policy), reflect_policy, hidden_seeds, steps).tolist()
+            for j, i in enumerate(hid):
+                row, token = active[i], tokens[j]
+                row.hidden_draws += 1
+                if model_may_end and token == markers.end[0]:
+                    main[i], ends[i] = [token], True
+                    row.marker_tokens += m_e
+                    continue
+                row.current.append(token)
+                row.hidden_used += 1
+                main[i] = [token]
+                at_limit = len(row.current) >= config.reflect_length or row.hidden_used >= config.budget_total
+                if peeks or at_limit:
+                    peek[i] = list(markers.end)
+                    ends[i] = at_limit
+                    if peeks:
+                        row.peek_tokens += m_e
+                    else:
+                        row.marker_tokens += m_e
+
+        if not any(main):
+            break
+        if config.audit:
+            for i, row in enumerate(active):
+                row.trace += main[i]
+        state, main_logits, peek_logits = step_with_peek(model, state, main, peek, pad_id, config.dual_path)
+        batch_peak_bytes = max(batch_peak_bytes, _cache_bytes(state))
+        for row, length in zip(active, state.lengths.tolist(), strict=True):
+            row.peak_cache = max(row.peak_cache, length)
+
+        # --- peek decisions: stop rows adopt their peek, the others crop it back off
+        fed = torch.as_tensor([bool(s) for s in main], device=main_logits.device)
+        last = torch.where(fed[:, None], main_logits, state.last_logits)
+        if peek_logits is not None:
+            peeked = [bool(p) for p in peek]
+            idx = [i for i, p in enumerate(peeked) if p]
+            raw = _ban(peek_logits[idx], [_completing_ids(active[i].visible, visible_banned) for i in idx])
+            u_peek = uncertainty(policy_logprobs(raw, policy), config.gate, config.gate_top_k).tolist()
+            for j, i in enumerate(idx):
+                if peeks and u_peek[j] <= config.tau_stop:
+                    ends[i] = True
+            keep = torch.as_tensor([p and e for p, e in zip(peeked, ends, strict=True)], device=last.device)
+            last = torch.where(keep[:, None], peek_logits, last)
+            state = settle_peeks(state, torch.as_tensor(peeked, device=last.device), keep, len(markers.end))
+        state = DecodeState(state.cache, state.attention_mask, state.lengths, last)
+        for i, row in enumerate(active):
+            if ends[i]:
+                if config.audit and peek[i]:
+                    row.trace += peek[i]
+                row.result.reflection_lengths.append(len(row.current))
+                row.hidden_mode, row.cooldown, row.since_reflection = False, config.cooldown, 0
+
+        # --- compact finished rows out of the batch (each compaction copies the cache, so not every step)
+        done = sum(r.done for r in active)
+        if done and (done * 4 >= len(active) or done == len(active)):
+            keep_rows = [i for i, r in enumerate(active) if not r.done]
+            if not keep_rows:
+                break
+            state = select(state, keep_rows)
+            active = [active[i] for i in keep_rows]
+
+    return [_finish(row, tokenizer, prompts[row.index], stop, m_s, batch_peak_bytes, config) for row in rows]
+
+
+def _cache_bytes(state: DecodeState) -> int:
+    return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in state.cache.layers)
+
+
+def _finish(
+    row: _Row,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: list[int],
+    stop: set[int],
+    m_s: int,
+    peak_bytes: int,
+    config: ReflectiveConfig,
+) -> ReflectiveResult:
+    res = row.result
+    res.token_ids, res.finished = row.visible, row.finished
+    content = row.visible[:-1] if row.finished and row.visible and row.visible[-1] in stop else row.visible
+    res.text = tokenizer.decode(content, skip_special_tokens=True)
+    res.n_reflections = len(res.reflection_positions)
+    res.hidden_tokens = row.hidden_used
+    if config.audit:
+        res.audit_ids = row.trace
+        res.audit_text = tokenizer.decode(row.trace, skip_special_tokens=False)
+    latency = row.finish_time or 1e-9
+    res.usage = Usage(
+        visible_tokens=len(row.visible),
+        generated_tokens=len(row.visible) + row.hidden_used,
+        prefill_tokens=len(prompt),
+        fpe=len(prompt) + row.fed_visible + row.hidden_used + row.peek_tokens + row.marker_tokens,
+        extra={
+            "hidden_tokens": row.hidden_used,
+            "reflections": res.n_reflections,
+            "peek_tokens": row.peek_tokens,
+            "marker_tokens": row.marker_tokens,
+            "marker_start_len": m_s,
+            "peak_cache_tokens": row.peak_cache,
+            "batch_peak_cache_mb": peak_bytes / 2**20,
+            "latency_s": latency,
+            "tokens_per_s": len(row.visible) / latency,
+        },
+    )
+    return res
+
+
+# --- calibration and matched ablations ------------------------------------------------------------------------------
+
+
+@dataclass
+class Calibration:
+    tau_high: float
+    tau_low: float
+    tau_stop: float
+    target_rate: float
+    simulated_rate: float  # the gate replayed on plain-decoding uncertainty traces
+    measured_rate: float  # reflections per visible token when decoding with the chosen thresholds
+    visible_tokens: int  # visible tokens of the measuring run
+
+
+def _replay_gate(traces: list[list[float]], tau_high: float, tau_low: float, cooldown: int) -> float:
+    """Reflections per visible token if the gate (hysteresis, cooldown) saw these uncertainty traces."""
+    triggers = steps = 0
+    for trace in traces:
+        armed, wait = True, 0
+        for u in trace:
+            steps += 1
+            if armed and wait == 0 and u > tau_high:
+                triggers, armed, wait = triggers + 1, False, cooldown
+            wait = max(0, wait - 1)
+            if u < tau_low:
+                armed = True
+    return triggers / max(1, steps)
+
+
+def calibrate_tau(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    policy: SamplingPolicy,
+    seeds: Sequence[int],
+    stop_ids: Sequence[int],
+    pad_id: int,
+    config: ReflectiveConfig,
+    target_rate: float | None = None,
+    max_new_tokens: int | None = None,
+) -> Calibration:
+    """Pick τ_high on dev prompts so that reflections start at `target_rate` per visible token (seed 3.2, 3.9).
+
+    Decodes the prompts without reflections, replays the gate over their uncertainty traces for every candidate
+    τ_high (τ_low and τ_stop keep the configured gap below it), and keeps the closest. The replay cannot see how
+    reflections change what follows, so the chosen thresholds are then run for real and that rate is reported too.
+    """
+    target = config.calibrate_rate if target_rate is None else target_rate
+    silent = dataclasses.replace(config, tau_high=math.inf, ablation="gate")
+    plain = reflective_generate(model, tokenizer, prompts, policy, seeds, stop_ids, pad_id, silent, max_new_tokens)
+    traces = [r.uncertainty for r in plain]
+    values = sorted({u for t in traces for u in t})
+    if not values:
+        raise ValueError("calibration decoded no visible tokens")
+    gap, stop_gap = config.tau_high - config.tau_low, config.tau_high - config.tau_stop
+    candidates = [values[round(q * (len(values) - 1) / 200)] for q in range(201)]
+    best = min(candidates, key=lambda t: abs(_replay_gate(traces, t, t - gap, config.cooldown) - target))
+    tuned = dataclasses.replace(config, tau_high=best, tau_low=best - gap, tau_stop=best - stop_gap, ablation="gate")
+    measured = reflective_generate(model, tokenizer, prompts, policy, seeds, stop_ids, pad_id, tuned, max_new_tokens)
+    visible = sum(len(r.token_ids) for r in measured)
+    return Calibration(
+        tau_high=best,
+        tau_low=tuned.tau_low,
+        tau_stop=tuned.tau_stop,
+        target_rate=target,
+        simulated_rate=_replay_gate(traces, best, best - gap, config.cooldown),
+        measured_rate=sum(r.n_reflections for r in measured) / max(1, visible),
+        visible_tokens=visible,
+    )
+
+
+def matched_ablations(
+    config: ReflectiveConfig, visible: int, reflections: int, hidden: int
+) -> dict[str, ReflectiveConfig]:
+    """Configs of the three ablations matched to a gated run's hidden budget (seed 4.3, H2/H3).
+
+    The gated run is summed up by its visible tokens, reflections and hidden tokens (eval keeps those per record).
+
+    periodic and random trigger as often as the gate did (same reflections per visible token) and keep the peek
+    stop; fixed keeps the gate but reflects for the gated run's mean reflection length, with no peek stop. All keep
+    B_total and L_reflect, so hidden tokens per example stay comparable; report H beside each row.
+    """
+    rate = reflections / max(1, visible)
+    mean_length = max(1, round(hidden / reflections)) if reflections else config.reflect_length
+    return {
+        "reflective-periodic": dataclasses.replace(
+            config, ablation="periodic", period=max(1, round(1 / rate)) if rate else 10**9
+        ),
+        "reflective-random": dataclasses.replace(config, ablation="random", random_rate=min(1.0, rate)),
+        "reflective-fixed": dataclasses.replace(config, ablation="fixed", reflect_length=mean_length),
+    }
