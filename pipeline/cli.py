@@ -21,7 +21,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--recipe", default="recipes/tiny.yaml", help="YAML recipe (default: recipes/tiny.yaml)")
     parser.add_argument("--run-dir", default=None, help="run folder (default: runs/<recipe name>)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied after the recipe")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides may follow --recipe, as the Makefile passes them
 
 
 def resolve(argv: list[str] | None = None) -> tuple[str, Config, RunDir]:
