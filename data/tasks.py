@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 Split = Literal["train", "test"]
 
@@ -62,29 +63,34 @@ def load_examples(config: TaskConfig, split: Split, n: int | None, seed: int = 0
     return arith_examples(config, split, n, seed)
 
 
-def load_gsm8k(path: Path, prompt_suffix: str = "") -> list[Example]:
-    if not path.is_file():
-        raise FileNotFoundError(f"GSM8K file not found: {path} (set task.path to the folder holding {path.name})")
-    examples = []
+def jsonl_objects(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) of every non-blank line; a bad line is an error naming the file and line."""
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                yield line_no, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{line_no}: not valid JSON ({exc.msg}); fix or remove that line") from exc
-            if not isinstance(row, dict) or not isinstance(row.get("question"), str) or "answer" not in row:
-                raise ValueError(f"{path}:{line_no}: expected an object with 'question' and 'answer' strings")
-            reference = str(row["answer"]).rpartition("####")[2].strip().replace(",", "")
-            examples.append(
-                Example(
-                    id=f"gsm8k-{path.stem}-{line_no - 1:05d}",
-                    task="gsm8k",
-                    prompt=row["question"].strip() + prompt_suffix,
-                    reference=reference,
-                )
+
+
+def load_gsm8k(path: Path, prompt_suffix: str = "") -> list[Example]:
+    if not path.is_file():
+        raise FileNotFoundError(f"GSM8K file not found: {path} (set task.path to the folder holding {path.name})")
+    examples = []
+    for line_no, row in jsonl_objects(path):
+        if not isinstance(row, dict) or not isinstance(row.get("question"), str) or "answer" not in row:
+            raise ValueError(f"{path}:{line_no}: expected an object with 'question' and 'answer' strings")
+        reference = str(row["answer"]).rpartition("####")[2].strip().replace(",", "")
+        examples.append(
+            Example(
+                id=f"gsm8k-{path.stem}-{line_no - 1:05d}",
+                task="gsm8k",
+                prompt=row["question"].strip() + prompt_suffix,
+                reference=reference,
             )
+        )
     return examples
 
 
@@ -94,19 +100,10 @@ def read_jsonl_by_id(path: Path, field_name: str) -> dict[str, str]:
     if not path.is_file():
         raise FileNotFoundError(f"feedback file not found: {path}")
     out: dict[str, str] = {}
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({exc.msg}); fix or remove that line") from exc
-            if not isinstance(row, dict) or not isinstance(row.get("id"), str) or not isinstance(
-                row.get(field_name), str
-            ):
-                raise ValueError(f"{path}:{line_no}: expected an object with string keys 'id' and {field_name!r}")
-            if row["id"] in out:
-                raise ValueError(f"{path}:{line_no}: id {row['id']!r} appears twice")
-            out[row["id"]] = row[field_name]
+    for line_no, row in jsonl_objects(path):
+        if not isinstance(row, dict) or not isinstance(row.get("id"), str) or not isinstance(row.get(field_name), str):
+            raise ValueError(f"{path}:{line_no}: expected an object with string keys 'id' and {field_name!r}")
+        if row["id"] in out:
+            raise ValueError(f"{path}:{line_no}: id {row['id']!r} appears twice")
+        out[row["id"]] = row[field_name]
     return out
