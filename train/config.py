@@ -3,8 +3,83 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+RowFilter = Literal["all", "improved", "redo_correct"]
 
 
 @dataclass
 class TrainConfig:
-    beta: float = field(default=0.0, metadata={"help": "Generalized JSD β: 0 forward KL, 1 reverse KL."})
+    # --- the loss ---
+    beta: float = field(default=0.0, metadata={"help": "Generalized JSD β: 0 forward KL(p_mix‖student), 1 reverse KL."})
+    temperature: float = field(
+        default=1.0, metadata={"help": "Distillation temperature applied to student logits and teacher log-probs."}
+    )
+    # --- the data ---
+    rows: RowFilter = field(
+        default="all",
+        metadata={"help": "Rows to learn from: 'all', 'improved' (original wrong, redo right) or 'redo_correct'."},
+    )
+    heldout_fraction: float = field(
+        default=0.05, metadata={"help": "Fraction of rows held out (chosen by hashed id) for the held-out KL metric."}
+    )
+    heldout_max_rows: int = field(default=200, metadata={"help": "At most this many held-out rows are scored."})
+    max_length: int = field(default=1024, metadata={"help": "Longest student input [x ‖ y]; the redo is cut to fit."})
+    # --- what is trained ---
+    mode: Literal["lora", "full"] = field(default="lora", metadata={"help": "'lora' (peft adapter) or 'full'."})
+    lora_rank: int = field(default=16, metadata={"help": "LoRA rank r."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (scale = alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        metadata={"help": "Module names that get LoRA adapters ('all-linear' alone means every linear layer)."},
+    )
+    # --- the optimizer ---
+    learning_rate: float = field(default=2e-4, metadata={"help": "Peak learning rate (AdamW)."})
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = field(
+        default="cosine", metadata={"help": "Learning-rate schedule."}
+    )
+    warmup_ratio: float = field(default=0.03, metadata={"help": "Fraction of steps spent warming up."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 disables)."})
+    epochs: float = field(default=1.0, metadata={"help": "Passes over the training rows (ignored if max_steps > 0)."})
+    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; -1 derives them from epochs."})
+    batch_size: int = field(default=8, metadata={"help": "Rows per device per micro-batch."})
+    grad_accum: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
+    # --- the machine ---
+    bf16: bool = field(
+        default=False,
+        metadata={"help": "bf16 autocast. On for GPUs; on a CPU without AVX512-BF16/AMX it is emulated and slower."},
+    )
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward."})
+    deepspeed: str = field(
+        default="", metadata={"help": "DeepSpeed JSON config (e.g. recipes/zero3.json); empty for none."}
+    )
+    # --- checkpoints and logs ---
+    save_steps: int = field(default=100, metadata={"help": "Checkpoint every this many optimizer steps."})
+    save_total_limit: int = field(default=2, metadata={"help": "Checkpoints kept (oldest deleted first)."})
+    logging_steps: int = field(default=10, metadata={"help": "Log the loss every this many steps."})
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 0.0 <= self.beta <= 1.0:
+            problems.append(f"beta must lie in [0, 1], got {self.beta}")
+        if self.temperature <= 0:
+            problems.append(f"temperature must be positive, got {self.temperature}")
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            problems.append(f"heldout_fraction must lie in [0, 1), got {self.heldout_fraction}")
+        for name in ("max_length", "lora_rank", "lora_alpha", "batch_size", "grad_accum", "save_steps", "logging_steps"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.heldout_max_rows < 0 or self.save_total_limit < 1:
+            problems.append("heldout_max_rows must be >= 0 and save_total_limit >= 1")
+        if not 0.0 <= self.lora_dropout < 1.0 or not 0.0 <= self.warmup_ratio < 1.0:
+            problems.append("lora_dropout and warmup_ratio must lie in [0, 1)")
+        if self.learning_rate <= 0 or self.epochs <= 0:
+            problems.append("learning_rate and epochs must be positive")
+        if self.max_steps == 0 or self.max_steps < -1:
+            problems.append(f"max_steps must be -1 (use epochs) or positive, got {self.max_steps}")
+        if not self.lora_target_modules:
+            problems.append("lora_target_modules must name at least one module")
+        if problems:
+            raise ValueError("; ".join(problems))

@@ -1,0 +1,172 @@
+"""`redumix train`: distil the stored mixture p_mix into the base model, which sees only the original prompt.
+
+Reads RUN_DIR/harvest, keeps the rows `train.rows` selects, holds out a hashed few percent of them, and trains with
+the sparse generalized JSD (train/loss.py) through TRL. Writes RUN_DIR/train/:
+  checkpoints/checkpoint-N/  HF Trainer checkpoints (weights, optimizer, scheduler, data position, RNG)
+  adapter/                   the peft adapter (mode 'lora')
+  merged/                    base + adapter merged, with the tokenizer: loads with plain AutoModelForCausalLM
+  config.yaml                the resolved config
+  metrics.json               written last: held-out KL of base and merged model, losses, counts, wall time
+A rerun after a kill resumes from the last checkpoint; a rerun after metrics.json exists does nothing.
+Multi-process runs come from torchrun (see the Makefile); `train.deepspeed` selects a ZeRO config in recipes/.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+
+from redumix.pipeline.config import Config, config_to_yaml
+from redumix.pipeline.run import RunDir, atomic_write_json, atomic_write_text, log_metrics, print0, rank, read_json
+from redumix.train.data import build_examples, filter_rows, load_harvest, split_heldout
+from redumix.train.trainer import build_trainer, heldout_kl
+
+STAGE = "train"
+
+
+def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | None = None) -> dict[str, Any]:
+    """Train, merge, score, and write the completion marker. `callbacks` are extra HF TrainerCallbacks (tests)."""
+    marker = run.train / "metrics.json"
+    if marker.is_file():
+        print0(f"train: already complete ({marker}); delete {run.train} to train again")
+        return read_json(marker)
+    started = time.time()
+    tc = config.train
+    model_path = base_model_path(config, run)
+    tokenizer = load_tokenizer(model_path, config.model.trust_remote_code)
+
+    # --- rows -> examples -----------------------------------------------------------------------------------------
+    harvested = load_harvest(run.harvest)
+    rows = filter_rows(harvested, tc.rows)
+    train_rows, held_rows = split_heldout(rows, tc.heldout_fraction)
+    held_rows = held_rows.select(range(min(len(held_rows), tc.heldout_max_rows)))
+    train_examples = build_examples(train_rows, tokenizer, tc.max_length)
+    held_examples = build_examples(held_rows, tokenizer, tc.max_length)
+    counts = {"harvested": len(harvested), "selected": len(rows), "train": len(train_examples),
+              "heldout": len(held_examples)}
+    print0(f"train: rows {counts} (filter '{tc.rows}')")
+    if len(train_examples) == 0:
+        raise ValueError(
+            f"train: no rows to learn from in {run.harvest} with train.rows={tc.rows!r} "
+            f"({len(harvested)} harvested, {len(rows)} selected); try train.rows=all or harvest more"
+        )
+    if rank() == 0:
+        atomic_write_text(run.train / "config.yaml", config_to_yaml(config))
+
+    # --- train (resuming from the last checkpoint if there is one) ------------------------------------------------
+    checkpoints = run.train / "checkpoints"
+    model = load_model(model_path, config)
+    trainer = build_trainer(
+        model, tokenizer, train_examples, tc, str(checkpoints), seed=config.seed, use_cpu=use_cpu(config),
+        callbacks=[MetricsToRunLog(run), *(callbacks or [])],
+    )
+    last = get_last_checkpoint(str(checkpoints)) if checkpoints.is_dir() else None
+    if last:
+        print0(f"train: resuming from {last}")
+    trainer.train(resume_from_checkpoint=last)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    # --- outputs: adapter, merged model (all ranks save: ZeRO-3 gathers the weights) -----------------------------
+    saved = run.train / ".saved.tmp"
+    trainer.save_model(str(saved))
+    trainer.accelerator.wait_for_everyone()
+    if rank() != 0:
+        return {}
+    _drop_deepspeed_init()
+    merged = run.train / "merged"
+    if tc.mode == "lora":
+        _replace_dir(saved, run.train / "adapter")
+        merge_adapter(model_path, run.train / "adapter", merged, tokenizer, config)
+    else:
+        tokenizer.save_pretrained(str(saved))
+        _replace_dir(saved, merged)
+
+    # --- held-out KL(p_mix ‖ model), base against merged ------------------------------------------------------------
+    device = "cuda" if torch.cuda.is_available() and not use_cpu(config) else "cpu"
+    kl_base = heldout_kl(load_model(model_path, config).to(device), held_examples, tokenizer.pad_token_id)
+    kl_merged = heldout_kl(load_model(merged, config).to(device), held_examples, tokenizer.pad_token_id)
+    result = {
+        "rows": counts,
+        "steps": trainer.state.global_step,
+        "final_loss": losses[-1] if losses else None,
+        "heldout_kl_base": kl_base,
+        "heldout_kl_merged": kl_merged,
+        "heldout_tokens": sum(len(e["input_ids"]) - e["prompt_length"] for e in held_examples),
+        "wall_seconds": round(time.time() - started, 1),
+    }
+    log_metrics(run, STAGE, **{k: v for k, v in result.items() if k != "rows"})
+    print0(f"train: held-out KL(p_mix ‖ model) per token: base {kl_base:.4f} -> merged {kl_merged:.4f} "
+           f"({result['heldout_tokens']} tokens); {result['steps']} steps in {result['wall_seconds']} s")
+    atomic_write_json(run.train / "metrics.json", result)  # the completion marker, last
+    return result
+
+
+# --- helpers --------------------------------------------------------------------------------------------------------
+
+
+def base_model_path(config: Config, run: RunDir) -> Path:
+    path = run.base if config.model.path == "base" else Path(config.model.path)
+    if not (path / "config.json").is_file():
+        hint = "run `redumix base` first" if config.model.path == "base" else "set model.path to a local HF folder"
+        raise FileNotFoundError(f"no model at {path} ({hint})")
+    return path
+
+
+def use_cpu(config: Config) -> bool:
+    return config.model.device == "cpu" or not torch.cuda.is_available()
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any id will do
+    return tokenizer
+
+
+def load_model(path: Path, config: Config) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=getattr(torch, config.model.dtype), trust_remote_code=config.model.trust_remote_code
+    )
+
+
+def merge_adapter(
+    model_path: Path, adapter: Path, out: Path, tokenizer: PreTrainedTokenizerBase, config: Config
+) -> None:
+    """Base + adapter -> a plain HF model folder (no peft needed to load it), written under a temporary name."""
+    from peft import PeftModel
+
+    merged = PeftModel.from_pretrained(load_model(model_path, config), str(adapter)).merge_and_unload()
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    merged.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    _replace_dir(tmp, out)
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    shutil.rmtree(dst, ignore_errors=True)
+    src.rename(dst)
+
+
+def _drop_deepspeed_init() -> None:
+    """After a ZeRO-3 run, later from_pretrained calls must not build partitioned models on rank 0 alone."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+
+
+class MetricsToRunLog(TrainerCallback):
+    """Every Trainer log (loss, learning rate, grad norm) becomes a line of logs/metrics.jsonl."""
+
+    def __init__(self, run: RunDir) -> None:
+        self.run = run
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kwargs: Any) -> None:
+        if logs and state.is_world_process_zero:
+            log_metrics(self.run, STAGE, step=state.global_step, **logs)

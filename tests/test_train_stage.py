@@ -1,0 +1,129 @@
+"""The train stage end to end on a tiny random model and bigram-teacher shards: outputs, learning, skip, resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from redumix.pipeline.config import load_config
+from redumix.pipeline.run import RunDir
+from redumix.pipeline.train import run_train
+from redumix.train.data import SparseTeacherCollator, build_examples, filter_rows, load_harvest, split_heldout
+from tests.train_fixtures import tiny_tokenizer, write_base, write_harvest
+
+FAST = ["train.batch_size=8", "train.learning_rate=0.005", "train.warmup_ratio=0.0", "train.logging_steps=1",
+        "train.heldout_fraction=0.2", "train.lora_rank=8", "train.lora_alpha=16"]
+
+
+def _run(tmp_path: Path, n_rows: int = 48) -> RunDir:
+    run = RunDir(tmp_path / "run")
+    write_base(run.base)
+    write_harvest(run.harvest, n_rows=n_rows, length=16)
+    return run
+
+
+def test_stage_trains_lora_merges_and_lowers_heldout_kl(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run = _run(tmp_path, n_rows=64)
+    config = load_config(None, [*FAST, "train.max_steps=16", "train.save_steps=8"])
+    result = run_train(config, run)
+
+    adapter = load_file(str(run.train / "adapter" / "adapter_model.safetensors"))
+    lora_b = [t for name, t in adapter.items() if "lora_B" in name]
+    assert lora_b and all(t.abs().sum() > 0 for t in lora_b)  # peft initialises B to zero: training moved it
+    merged = AutoModelForCausalLM.from_pretrained(str(run.train / "merged"))  # plain transformers, no peft
+    base = AutoModelForCausalLM.from_pretrained(str(run.base))
+    assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight, base.model.layers[0].self_attn.q_proj.weight)
+    assert (run.train / "merged" / "tokenizer_config.json").is_file()
+    assert "train:" in (run.train / "config.yaml").read_text()
+
+    assert result["steps"] == 16
+    assert result["heldout_kl_merged"] < result["heldout_kl_base"]
+    assert json.loads((run.train / "metrics.json").read_text()) == result
+    logged = [json.loads(line) for line in run.metrics.read_text().splitlines()]
+    assert any(line["stage"] == "train" and "loss" in line for line in logged)
+
+    assert run_train(config, run) == result  # complete: skipped
+    assert "already complete" in capsys.readouterr().out
+
+
+def test_full_finetune_writes_merged_only(tmp_path: Path) -> None:
+    run = _run(tmp_path, n_rows=16)
+    run_train(load_config(None, [*FAST, "train.mode=full", "train.max_steps=2"]), run)
+    assert not (run.train / "adapter").exists()
+    AutoModelForCausalLM.from_pretrained(str(run.train / "merged"))
+
+
+def test_row_filters_and_heldout_split(tmp_path: Path) -> None:
+    write_harvest(tmp_path, n_rows=30, length=4)
+    rows = load_harvest(tmp_path)
+    # The fixture: original right when i % 3 == 0, redo right when i % 2 == 0.
+    assert len(filter_rows(rows, "all")) == 30
+    assert len(filter_rows(rows, "redo_correct")) == 15
+    assert len(filter_rows(rows, "improved")) == len([i for i in range(30) if i % 2 == 0 and i % 3 != 0])
+    train, held = split_heldout(rows, 0.3)
+    assert len(train) + len(held) == 30 and 0 < len(held) < 30
+    assert set(split_heldout(rows.shuffle(seed=1), 0.3)[1]["id"]) == set(held["id"])  # by id, not by order
+
+
+def test_collator_aligns_teacher_with_targets(tmp_path: Path) -> None:
+    write_harvest(tmp_path, n_rows=3, length=5)
+    tokenizer = tiny_tokenizer()
+    examples = build_examples(load_harvest(tmp_path), tokenizer, max_length=1024)
+    short = build_examples(load_harvest(tmp_path), tokenizer, max_length=len(examples[0]["input_ids"]) - 2)
+    assert len(short[0]["teacher_ids"]) == 3  # the redo is cut to fit, and its teacher with it
+    batch = SparseTeacherCollator(pad_token_id=tokenizer.pad_token_id)([examples[0], short[1]])
+    targets = batch["labels"][:, 1:][batch["labels"][:, 1:] != -100]
+    teacher_ids = batch["teacher_ids"][batch["teacher_mask"]]
+    assert len(targets) == len(teacher_ids) == 5 + 3
+    rows = load_harvest(tmp_path)
+    expected = list(rows[0]["redo_token_ids"]) + list(rows[1]["redo_token_ids"][:3])
+    assert targets.tolist() == expected
+    assert teacher_ids[0].tolist() == rows[0]["mix_topk_ids"][0]
+
+
+def test_gradient_accumulation_gives_the_same_step(tmp_path: Path) -> None:
+    """Loss normalised by the token count of the whole accumulated batch: 1x8 and 4x2 give the same gradient."""
+    run = _run(tmp_path, n_rows=10)
+    norms = []
+    for batch, accum in [(8, 1), (2, 4)]:
+        out = RunDir(tmp_path / f"run-{batch}")
+        out.root.mkdir()
+        (out.root / "base").symlink_to(run.base)
+        (out.root / "harvest").symlink_to(run.harvest)
+        config = load_config(None, [*FAST, "train.mode=full", "train.max_steps=1", "train.bf16=false",
+                                    f"train.batch_size={batch}", f"train.grad_accum={accum}"])
+        run_train(config, out)
+        history = json.loads((out.train / "checkpoints" / "checkpoint-1" / "trainer_state.json").read_text())
+        norms.append(history["log_history"][0]["grad_norm"])
+    assert norms[0] == pytest.approx(norms[1], rel=1e-4)
+
+
+class _Crash(TrainerCallback):
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        if state.global_step == self.at_step:
+            raise KeyboardInterrupt("simulated kill")
+
+
+def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
+    settings = [*FAST, "train.max_steps=6", "train.save_steps=2", "train.batch_size=4", "train.lora_dropout=0.1"]
+    whole = _run(tmp_path / "whole", n_rows=24)
+    result = run_train(load_config(None, settings), whole)
+
+    broken = _run(tmp_path / "broken", n_rows=24)
+    with pytest.raises(KeyboardInterrupt):
+        run_train(load_config(None, settings), broken, callbacks=[_Crash(at_step=5)])  # last checkpoint: step 4
+    assert not (broken.train / "metrics.json").exists()
+    resumed = run_train(load_config(None, settings), broken)
+    assert resumed["steps"] == 6
+    assert resumed["final_loss"] == pytest.approx(result["final_loss"], abs=1e-5)
+    a = load_file(str(whole.train / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(broken.train / "adapter" / "adapter_model.safetensors"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)

@@ -1,0 +1,168 @@
+"""Offline sparse-teacher GKD on TRL: an SFTTrainer whose loss reads the stored top-k of p_mix from the batch.
+
+Why SFTTrainer and not GKDTrainer: GKDTrainer's constructor needs a live teacher model (it loads and wraps one, and
+checks vocabularies against it), and its compute_loss runs that teacher. Here the teacher is data, so all that is
+kept of GKD is its loss (train/loss.py, equal to `GKDTrainer.generalized_jsd_loss` when k = vocabulary). SFTTrainer
+brings the rest unchanged: peft wrapping, DeepSpeed, checkpoints and resume, logging.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+from trl import SFTConfig, SFTTrainer
+
+from redumix.pipeline.run import world_size
+from redumix.train.config import TrainConfig
+from redumix.train.data import SparseTeacherCollator
+from redumix.train.loss import select_targets, sparse_gkd_loss
+
+
+class SparseGKDTrainer(SFTTrainer):
+    """SFTTrainer with compute_loss replaced by the sparse generalized JSD against the batch's stored teacher."""
+
+    def __init__(self, *args: Any, beta: float = 0.0, temperature: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.beta = beta
+        self.temperature = temperature
+        # Our loss is normalised by num_items_in_batch, so tell HF Trainer to count it (over labels[..., 1:]) and not
+        # to divide the loss again by the gradient-accumulation steps.
+        self.model_accepts_loss_kwargs = True
+        self._loss_shifts_labels = True
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, torch.Tensor],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False)
+        logits, _ = select_targets(outputs.logits, inputs["labels"])
+        mask = inputs["teacher_mask"]
+        loss = sparse_gkd_loss(
+            logits,
+            inputs["teacher_ids"][mask],
+            inputs["teacher_logprobs"][mask],
+            beta=self.beta,
+            temperature=self.temperature,
+            num_items_in_batch=num_items_in_batch,
+        )
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            # num_items_in_batch is then the count over all ranks, and DDP/DeepSpeed average the gradients over
+            # ranks: scaling by the rank count makes the step the gradient of (global sum / global count).
+            loss = loss * self.accelerator.num_processes
+        return (loss, outputs) if return_outputs else loss
+
+
+def lora_config(config: TrainConfig) -> LoraConfig | None:
+    if config.mode == "full":
+        return None
+    targets: list[str] | str = config.lora_target_modules
+    if targets == ["all-linear"]:
+        targets = "all-linear"
+    return LoraConfig(
+        r=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+
+
+def training_arguments(config: TrainConfig, output_dir: str, seed: int, use_cpu: bool) -> SFTConfig:
+    """The TRL/HF arguments of a run. Checkpoints hold weights, optimizer, scheduler, data position and RNG."""
+    return SFTConfig(
+        output_dir=output_dir,
+        seed=seed,
+        per_device_train_batch_size=config.batch_size,
+        gradient_accumulation_steps=config.grad_accum,
+        learning_rate=config.learning_rate,
+        lr_scheduler_type=config.lr_scheduler,
+        warmup_steps=config.warmup_ratio,  # a float below 1 is a ratio of the total steps
+        weight_decay=config.weight_decay,
+        max_grad_norm=config.max_grad_norm,
+        num_train_epochs=config.epochs,
+        max_steps=config.max_steps,
+        bf16=config.bf16,
+        use_cpu=use_cpu,
+        ddp_backend="gloo" if use_cpu and world_size() > 1 else None,
+        gradient_checkpointing=config.gradient_checkpointing,
+        deepspeed=config.deepspeed or None,
+        save_strategy="steps",
+        save_steps=config.save_steps,
+        save_total_limit=config.save_total_limit,
+        logging_steps=config.logging_steps,
+        logging_first_step=True,
+        report_to="none",
+        disable_tqdm=False,
+        # The teacher columns must reach the collator, and the examples are already tokenised.
+        remove_unused_columns=False,
+        dataset_kwargs={"skip_prepare_dataset": True},
+        max_length=None,
+        dataloader_num_workers=0,
+    )
+
+
+def build_trainer(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    train_examples: Dataset,
+    config: TrainConfig,
+    output_dir: str,
+    seed: int,
+    use_cpu: bool,
+    callbacks: list[TrainerCallback] | None = None,
+) -> SparseGKDTrainer:
+    """A trainer over examples from `train.data.build_examples`; with mode 'lora' the model is wrapped by peft."""
+    if tokenizer.pad_token_id is None:
+        raise ValueError("the tokenizer has no pad token; set one (e.g. pad_token = eos_token) before training")
+    if config.deepspeed and use_cpu:
+        _skip_deepspeed_shm_build()
+    return SparseGKDTrainer(
+        model=model,
+        args=training_arguments(config, output_dir, seed, use_cpu),
+        data_collator=SparseTeacherCollator(pad_token_id=tokenizer.pad_token_id),
+        train_dataset=train_examples,
+        processing_class=tokenizer,
+        peft_config=lora_config(config),
+        callbacks=callbacks,
+        beta=config.beta,
+        temperature=config.temperature,
+    )
+
+
+def _skip_deepspeed_shm_build() -> None:
+    """On CPU, DeepSpeed's comm backend JIT-compiles a C++ shared-memory all-reduce (minutes, and a compiler) at
+    init. Training never uses it (that op serves inference all-reduce; ZeRO goes through torch.distributed/gloo), so
+    mark it incompatible and DeepSpeed skips the build."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+@torch.no_grad()
+def heldout_kl(model: PreTrainedModel, examples: Dataset, pad_token_id: int, batch_size: int = 8) -> float:
+    """Mean per-token KL(p_mix ‖ model) over the examples' target tokens (β=0, temperature 1, top-k + tail)."""
+    if len(examples) == 0:
+        return float("nan")
+    collate = SparseTeacherCollator(pad_token_id=pad_token_id)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(examples), batch_size):
+        rows = examples.select(range(start, min(start + batch_size, len(examples))))
+        batch = {name: tensor.to(device) for name, tensor in collate(list(rows)).items()}
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        student, _ = select_targets(logits, batch["labels"])
+        mask = batch["teacher_mask"]
+        n = student.shape[0]
+        total += float(sparse_gkd_loss(student, batch["teacher_ids"][mask], batch["teacher_logprobs"][mask])) * n
+        count += n
+    model.train(was_training)
+    return total / max(count, 1)
