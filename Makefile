@@ -10,7 +10,7 @@ RUN_DIR_FLAG := $(if $(RUN_DIR),--run-dir $(RUN_DIR),)
 # Multi-process stages go through torchrun, which starts exactly NPROC ranks on CPU or GPU alike.
 LAUNCH := $(if $(filter 1,$(NPROC)),$(BIN)/redumix,$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m redumix.pipeline.cli)
 
-.PHONY: install base harvest train eval export bench test test-all lint clean
+.PHONY: install base harvest train eval export calibrate bench test test-all lint clean
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,8 @@ eval: install
 	$(LAUNCH) eval --recipe $(RECIPE) $(RUN_DIR_FLAG) $(ARGS)
 export: install
 	$(BIN)/redumix export --recipe $(RECIPE) $(RUN_DIR_FLAG) $(ARGS)
+calibrate: install
+	$(BIN)/redumix calibrate --recipe $(RECIPE) $(RUN_DIR_FLAG) $(ARGS)
 
 bench: install
 	$(BIN)/python -m bench.run

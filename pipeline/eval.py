@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from tqdm import tqdm
+
 from redumix.data.grading import extract_answer, is_correct, verifier_feedback
 from redumix.data.tasks import Example, load_examples
 from redumix.pipeline.run import (
@@ -37,7 +39,6 @@ from redumix.pipeline.run import (
     print0,
     read_json,
 )
-from tqdm import tqdm
 
 if TYPE_CHECKING:
     from redumix.pipeline.config import Config
@@ -458,5 +459,7 @@ def run_calibrate(config: Config, run: RunDir) -> None:
                            tokenizer.pad_token_id, config.reflective)
     path = run.root / "calibration.json"
     atomic_write_json(path, dataclasses.asdict(result))
-    print0(f"calibrate: {dataclasses.asdict(result)} -> {path}; pass reflective.tau_high=... to use it")
+    print0(f"calibrate: reflection rate {result.measured_rate:.3f} per visible token (target {result.target_rate}) "
+           f"-> {path}\nuse it with: ARGS=\"reflective.tau_high={result.tau_high:.4f} "
+           f"reflective.tau_low={result.tau_low:.4f} reflective.tau_stop={result.tau_stop:.4f}\"")
 
