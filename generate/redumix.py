@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 from redumix.data.prompts import REDO, attempt_messages, critique_messages, redo_messages, reflect_messages
 from redumix.generate.accounting import Usage
 from redumix.generate.chat import template_pieces
@@ -26,15 +28,16 @@ from redumix.generate.policy import SamplingPolicy, example_seed, policy_logprob
 from redumix.generate.sampling import (
     DecodeState,
     Generation,
+    StepLog,
     append_tokens,
     clone,
     extend,
+    generation_from,
     merge,
     prefill,
     sample_loop,
     select,
 )
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 COMPRESSION_NOTE = "(earlier steps omitted) "
 
@@ -312,10 +315,10 @@ def mixture_loop(
     state = merge([x_context, x2_context])  # rows 0..B-1 hold x, rows B..2B-1 hold x2
     device = state.attention_mask.device
     stop = torch.as_tensor(list(stop_ids), device=device)
-    out = [(Generation([], False, 0), [], []) for _ in range(x_context.batch_size)]
     rows = list(range(x_context.batch_size))  # example of each live pair
     alive = torch.ones(len(rows), dtype=torch.bool, device=device)
     seeds = seeds.to(device)
+    emitted = StepLog()
     for step in range(max_new_tokens):
         half = len(rows)
         logp = torch.log_softmax(state.last_logits, dim=-1)
@@ -327,26 +330,11 @@ def mixture_loop(
         tokens = (
             mix.argmax(dim=-1) if policy.greedy else sample_tokens(policy_logprobs(mix, policy), policy, seeds, step)
         )
-        stopped = torch.isin(tokens, stop) & alive
-        for row, token, ids, lps, is_alive, is_stopped in zip(
-            rows,
-            tokens.tolist(),
-            top.indices.tolist(),
-            top.values.tolist(),
-            alive.tolist(),
-            stopped.tolist(),
-            strict=True,
-        ):
-            if is_alive:
-                gen, topk_ids, topk_lp = out[row]
-                gen.token_ids.append(token)
-                topk_ids.append(ids)
-                topk_lp.append(lps)
-                gen.finished = is_stopped
-        alive &= ~stopped
-        if step == max_new_tokens - 1 or not alive.any():
-            break
+        emitted.add(rows, alive, tokens, top.indices, top.values)
+        alive = alive & ~torch.isin(tokens, stop)  # not in place: the log keeps this step's mask
         done = int((~alive).sum())
+        if step == max_new_tokens - 1 or done == len(rows):
+            break
         if done and done * 4 >= len(rows):  # compact lazily: each compaction copies the cache
             keep = alive.nonzero().flatten()
             state = select(state, torch.cat([keep, keep + half]))
@@ -354,8 +342,8 @@ def mixture_loop(
             tokens, seeds = tokens[keep], seeds[keep]
             alive = torch.ones(len(rows), dtype=torch.bool, device=device)
         state = append_tokens(model, state, torch.cat([tokens, tokens]), torch.cat([alive, alive]))
-        for row, is_alive in zip(rows, alive.tolist(), strict=True):
-            if is_alive:
-                out[row][0].cached += 1
-                out[row][0].usage.fpe += 2
-    return out
+    # Each fed token goes through both contexts: 2 FPE.
+    return [
+        (generation_from(ids, stop_ids, fpe_per_token=2), topk_ids, topk_lp)
+        for ids, topk_ids, topk_lp in emitted.per_row(x_context.batch_size)
+    ]

@@ -6,6 +6,9 @@ lengths share a batch through left padding; a later segment of different length 
 is left-padded inside the segment, so holes in the middle of a row are normal and masked.
 
 Rows that finish are compacted out of the batch, so a long answer never makes short ones pay for its steps.
+
+The KV cache is a `DynamicCache` of `GrowingLayer`s: transformers' `DynamicLayer` appends with `torch.cat`, which
+copies the whole cache every token; a growing layer writes the new positions into spare room instead.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from redumix.generate.accounting import Usage
 from redumix.generate.policy import SamplingPolicy, policy_logprobs, sample_tokens
@@ -70,7 +74,7 @@ def forward(
     if state is None:
         past_mask = new_mask.new_zeros((batch, 0))
         lengths = new_mask.new_zeros(batch)
-        cache = None
+        cache = growing_cache()
     else:
         past_mask, lengths, cache = state.attention_mask, state.lengths, state.cache
     position_ids = (lengths[:, None] + new_mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -104,15 +108,79 @@ def extend(model: PreTrainedModel, state: DecodeState, segments: Sequence[Sequen
     return forward(model, state, mask, input_ids=ids)
 
 
-def append_tokens(model: PreTrainedModel, state: DecodeState, tokens: torch.Tensor, active: torch.Tensor) -> DecodeState:
+def append_tokens(
+    model: PreTrainedModel, state: DecodeState, tokens: torch.Tensor, active: torch.Tensor
+) -> DecodeState:
     """Append one token per row; rows where `active` is False get a masked pad position."""
     return forward(model, state, active.long()[:, None], input_ids=tokens[:, None])
+
+
+class GrowingLayer(DynamicLayer):
+    """A full-attention cache layer whose `keys`/`values` are views of the filled prefix of a larger buffer.
+
+    `update` writes the new positions in place and doubles the buffer when it is full, so appending a token costs
+    the token, not the cache. Code that reassigns `keys`/`values` (`crop`, `batch_select_indices`, a caller) keeps
+    working: when they are no longer a prefix view of the buffer, the next `update` copies them into a new one.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.key_buffer: torch.Tensor | None = None
+        self.value_buffer: torch.Tensor | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.get_seq_length()
+        end = length + key_states.shape[-2]
+        if not (_is_prefix_of(self.keys, self.key_buffer, end) and _is_prefix_of(self.values, self.value_buffer, end)):
+            self.key_buffer = _regrow(self.keys, key_states, length, end)
+            self.value_buffer = _regrow(self.values, value_states, length, end)
+        self.key_buffer[:, :, length:end] = key_states
+        self.value_buffer[:, :, length:end] = value_states
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+
+def _is_prefix_of(filled: torch.Tensor, buffer: torch.Tensor | None, end: int) -> bool:
+    """Whether `filled` is buffer[:, :, :n] for some n, and the buffer has room up to `end`."""
+    return (
+        buffer is not None
+        and buffer.shape[2] >= end
+        and filled.dim() == 4
+        and filled.data_ptr() == buffer.data_ptr()
+        and filled.stride() == buffer.stride()
+        and filled.shape[:2] == buffer.shape[:2]
+        and filled.shape[3] == buffer.shape[3]
+    )
+
+
+def _regrow(filled: torch.Tensor, new: torch.Tensor, length: int, end: int) -> torch.Tensor:
+    """A buffer of twice the needed length holding the first `length` positions of `filled`."""
+    batch, heads, _, dim = new.shape
+    buffer = new.new_empty((batch, heads, 2 * end, dim))
+    if length:
+        buffer[:, :, :length] = filled
+    return buffer
+
+
+def growing_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> DynamicCache:
+    """A cache of growing layers, holding copies of `layers` ((keys, values) per model layer) if any."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = GrowingLayer  # layers the model adds lazily (an empty cache) grow too
+    for keys, values in layers:
+        layer = GrowingLayer()
+        layer.update(keys, values)
+        cache.layers.append(layer)
+    return cache
 
 
 def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     layers = []
     for layer in cache.layers:
-        if type(layer).__name__ != "DynamicLayer":
+        if type(layer) not in (DynamicLayer, GrowingLayer):
             raise ValueError(f"decoding needs full-attention caches, got {type(layer).__name__}")
         layers.append((layer.keys, layer.values))
     return layers
@@ -123,10 +191,13 @@ def select(state: DecodeState, rows: torch.Tensor | list[int]) -> DecodeState:
     rows = torch.as_tensor(rows, dtype=torch.long, device=state.attention_mask.device)
     mask = state.attention_mask.index_select(0, rows)
     first = int((mask.sum(dim=0) > 0).nonzero()[0]) if mask.any() else mask.shape[1]
-    cache = DynamicCache(
-        ddp_cache_data=[(k.index_select(0, rows)[:, :, first:], v.index_select(0, rows)[:, :, first:]) for k, v in _layers(state.cache)]
+    layers = [
+        (k[:, :, first:].index_select(0, rows), v[:, :, first:].index_select(0, rows)) for k, v in _layers(state.cache)
+    ]
+    cache = growing_cache(layers)
+    return DecodeState(
+        cache, mask[:, first:], state.lengths.index_select(0, rows), state.last_logits.index_select(0, rows)
     )
-    return DecodeState(cache, mask[:, first:], state.lengths.index_select(0, rows), state.last_logits.index_select(0, rows))
 
 
 def merge(states: Sequence[DecodeState]) -> DecodeState:
@@ -147,7 +218,7 @@ def merge(states: Sequence[DecodeState]) -> DecodeState:
         for i in range(len(per_state[0]))
     ]
     return DecodeState(
-        DynamicCache(ddp_cache_data=layers),
+        growing_cache(layers),
         torch.cat([pad(s.attention_mask, 1) for s in states]),
         torch.cat([s.lengths for s in states]),
         torch.cat([s.last_logits for s in states]),
@@ -156,7 +227,7 @@ def merge(states: Sequence[DecodeState]) -> DecodeState:
 
 def clone(state: DecodeState) -> DecodeState:
     return DecodeState(
-        DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in _layers(state.cache)]),
+        growing_cache(_layers(state.cache)),  # growing_cache copies
         state.attention_mask.clone(),
         state.lengths.clone(),
         state.last_logits.clone(),
@@ -185,11 +256,12 @@ def sample_loop(
     device = state.attention_mask.device
     stop = torch.as_tensor(list(stop_ids), device=device)
     banned = torch.as_tensor(list(banned_ids), dtype=torch.long, device=device)
-    out = [Generation([], False, 0) for _ in range(state.batch_size)]
-    rows = list(range(state.batch_size))  # row of `state` -> index into out
-    alive = torch.ones(state.batch_size, dtype=torch.bool, device=device)
+    n_rows = state.batch_size
+    rows = list(range(n_rows))  # row of `state` -> index into out
+    alive = torch.ones(n_rows, dtype=torch.bool, device=device)
     seeds = seeds.to(device)
     retired: dict[int, DecodeState] = {}
+    emitted = StepLog()
     for step in range(max_new_tokens):
         logits = state.last_logits
         if banned.numel():
@@ -198,19 +270,13 @@ def sample_loop(
             tokens = logits.argmax(dim=-1)
         else:
             tokens = sample_tokens(policy_logprobs(logits, policy), policy, seeds, step)
-        stopped = torch.isin(tokens, stop) & alive
-        for row, token, is_alive in zip(rows, tokens.tolist(), alive.tolist(), strict=True):
-            if is_alive:
-                out[row].token_ids.append(token)
-        alive &= ~stopped
-        if stopped.any():
-            for i in stopped.nonzero().flatten().tolist():
-                out[rows[i]].finished = True
-        if step == max_new_tokens - 1 or not alive.any():
-            break
-        # Compact once a quarter of the batch (or the last row) is done: each compaction copies the cache.
+        emitted.add(rows, alive, tokens)
+        alive = alive & ~torch.isin(tokens, stop)  # not in place: the log keeps this step's mask
         done = int((~alive).sum())
-        if done and (done * 4 >= len(rows) or done == len(rows)):
+        if step == max_new_tokens - 1 or done == len(rows):
+            break
+        # Compact once a quarter of the batch is done: each compaction copies the cache.
+        if done and done * 4 >= len(rows):
             if keep_state:
                 for i in (~alive).nonzero().flatten().tolist():
                     retired[rows[i]] = select(state, [i])
@@ -220,17 +286,55 @@ def sample_loop(
             tokens, seeds = tokens[keep], seeds[keep]
             alive = torch.ones(len(rows), dtype=torch.bool, device=device)
         state = append_tokens(model, state, tokens, alive)
-        for row, is_alive in zip(rows, alive.tolist(), strict=True):
-            if is_alive:
-                out[row].cached += 1
-                out[row].usage.fpe += 1
-    for gen in out:
-        gen.usage.generated_tokens = gen.usage.visible_tokens = len(gen.token_ids)
+    out = [generation_from(ids, stop_ids, fpe_per_token=1) for (ids,) in emitted.per_row(n_rows)]
     if not keep_state:
         return out, None
     for i, row in enumerate(rows):
         retired[row] = select(state, [i])
     return out, merge([retired[row] for row in range(len(out))])
+
+
+class StepLog:
+    """What a decode loop emitted per step, kept as tensors and turned into Python lists once, at the end.
+
+    Converting as it goes costs a `.tolist()` per tensor per step and a Python loop over the rows each time; the
+    loop itself only needs one number per step (how many rows are done).
+    """
+
+    def __init__(self) -> None:
+        self.rows: list[list[int]] = []
+        self.alive: list[torch.Tensor] = []
+        self.columns: list[list[torch.Tensor]] = []
+
+    def add(self, rows: list[int], alive: torch.Tensor, *columns: torch.Tensor) -> None:
+        """One step: the output index of each batch row, which rows were alive, and per-row values ([n] or [n, k])."""
+        self.rows.append(rows)
+        self.alive.append(alive)
+        self.columns.append(list(columns))
+
+    def per_row(self, n: int) -> list[tuple[list, ...]]:
+        """For each of the `n` outputs, each column's values at the steps where that output was alive."""
+        width = len(self.columns[0]) if self.columns else 0
+        out = [tuple([] for _ in range(width)) for _ in range(n)]
+        if not self.rows:
+            return out
+        flat_rows = [row for rows in self.rows for row in rows]
+        flat_alive = torch.cat(self.alive).tolist()
+        flat_columns = [torch.cat(col).tolist() for col in zip(*self.columns, strict=True)]
+        for i, (row, is_alive) in enumerate(zip(flat_rows, flat_alive, strict=True)):
+            if is_alive:
+                for lists, values in zip(out[row], flat_columns, strict=True):
+                    lists.append(values[i])
+        return out
+
+
+def generation_from(token_ids: list[int], stop_ids: Sequence[int], fpe_per_token: int) -> Generation:
+    """A finished loop's row. A row stops on its first stop token, so it finished iff its last token is one; every
+    token but the last went through the model (the loop never feeds the token it ends on)."""
+    finished = bool(token_ids) and token_ids[-1] in stop_ids
+    cached = max(len(token_ids) - 1, 0)
+    usage = Usage(fpe=fpe_per_token * cached, generated_tokens=len(token_ids), visible_tokens=len(token_ids))
+    return Generation(token_ids, finished, cached, usage)
 
 
 def generate_batch(
