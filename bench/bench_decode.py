@@ -40,9 +40,9 @@ def load() -> tuple[torch.nn.Module, object, str]:
         model = AutoModelForCausalLM.from_pretrained(BASE).eval()
         tokenizer = AutoTokenizer.from_pretrained(BASE)
         return model, tokenizer, f"embedded default ({BASE})"
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.conftest import build_tiny_tokenizer

@@ -13,10 +13,11 @@ import string
 import time
 
 import torch
-from redumix.generate.policy import SamplingPolicy
-from redumix.generate.reflective import ReflectiveConfig, reflective_generate
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from redumix.generate.policy import SamplingPolicy
+from redumix.generate.reflective import ReflectiveConfig, reflective_generate
 
 REFLECT_LENGTH = 48
 REPEATS = 5

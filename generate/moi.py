@@ -15,10 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PreTrainedModel
+
 from redumix.generate.accounting import Usage
 from redumix.generate.policy import SamplingPolicy, policy_logprobs, sample_tokens
 from redumix.generate.sampling import Generation, forward, prefill, select
-from transformers import PreTrainedModel
 
 
 @dataclass

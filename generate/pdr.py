@@ -22,13 +22,14 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 from redumix.data.grading import extract_answer
 from redumix.data.prompts import attempt_messages, distill_messages, format_workspace, refine_messages
 from redumix.generate.accounting import Usage
 from redumix.generate.chat import prompt_ids
 from redumix.generate.policy import SamplingPolicy, example_seed
 from redumix.generate.sampling import Generation, generate_batch, prefill, sample_loop, select
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass

@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 from redumix.generate.accounting import Usage
 from redumix.generate.policy import SamplingPolicy, policy_logprobs, sample_tokens, uniform_noise
 from redumix.generate.sampling import DecodeState, left_pad, prefill, select
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 GateKind = Literal["norm_entropy", "entropy", "one_minus_pmax", "margin", "topk_entropy"]
 Ablation = Literal["gate", "periodic", "random", "fixed"]

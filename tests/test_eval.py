@@ -3,11 +3,11 @@ from pathlib import Path
 
 import pytest
 
+from redumix.data.tasks import load_examples
 from redumix.generate.accounting import ForwardCounter
 from redumix.pipeline.config import load_config
 from redumix.pipeline.eval import DEFAULT_DECODERS, decode, run_eval, wilson_interval
 from redumix.pipeline.run import RunDir
-from redumix.data.tasks import load_examples
 from tests.conftest import build_tiny_model, build_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from redumix.data.prompts import attempt_messages
 from redumix.generate.accounting import ForwardCounter
 from redumix.generate.chat import prompt_ids

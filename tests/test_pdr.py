@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from redumix.data.prompts import attempt_messages, format_workspace, refine_messages
 from redumix.generate.accounting import ForwardCounter
 from redumix.generate.chat import prompt_ids

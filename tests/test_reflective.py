@@ -8,6 +8,9 @@ import string
 
 import pytest
 import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
 from redumix.data.prompts import attempt_messages
 from redumix.generate.accounting import ForwardCounter
 from redumix.generate.chat import prompt_ids
@@ -23,9 +26,6 @@ from redumix.generate.reflective import (
     uncertainty,
 )
 from redumix.generate.sampling import clone, generate_batch, prefill
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
-
 from tests.conftest import build_tiny_model
 
 QUESTIONS = ["What is 2 + 3?", "Tom has 7 apples and eats 2. How many are left?", "9 * 4 = ?"]
