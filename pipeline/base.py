@@ -1,10 +1,499 @@
-"""`redumix base`: build the embedded default model (tokenizer + tiny Llama trained on arith)."""
+"""`redumix base`: build the embedded default model, so a fresh CPU machine runs the pipeline with no download.
+
+What it does, top to bottom:
+1. Generates the training text of data/arith.py (terse solutions with slips, reflection episodes, self-critiques,
+   PDR refines, hidden `<|reflect|>` check spans) on problems outside the test and train buckets.
+2. Trains a byte-level BPE tokenizer (digits are single tokens) and wraps it as a `PreTrainedTokenizerFast` with a
+   chat template whose turn boundaries are special tokens, so rendering is token-concatenative across turns.
+3. Trains a tiny Llama from scratch on packed rows (attention stays inside each episode), loss on trained
+   assistant tokens only, AdamW with warmup and cosine decay, for a fixed number of steps (the machine is shared,
+   so wall time cannot be the budget). float32: bf16 autocast measured 2.8x slower on this CPU, which lacks
+   AVX512-BF16; `base.bf16=true` turns it on where it pays.
+4. Measures greedy accuracy on held-out `test` problems and, with `base.eval_reflection`, what reflection buys:
+   attempt -> verifier feedback -> reflection -> redo decoded from x2 alone.
+
+Files appear atomically: the model is built in a temporary folder renamed to `base/`, and `base/metrics.json`,
+the completion marker, is written last. If `base/` holds a model but no metrics (a crash during evaluation),
+the rerun evaluates that model instead of training again.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import itertools
+import math
+import random
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import yaml
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm import tqdm
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedTokenizerFast,
+)
+
+from redumix.data.arith import (
+    LINE,
+    REFLECT_CLOSE,
+    REFLECT_OPEN,
+    CorpusSpec,
+    Episode,
+    apply,
+    arith_examples,
+    corpus_episodes,
+)
+from redumix.data.grading import extract_answer, is_correct, verifier_feedback
+from redumix.data.prompts import Message, attempt_messages, critique_messages, redo_messages, reflect_messages
+from redumix.data.tasks import Example
+from redumix.pipeline.run import RunDir, atomic_write_json, atomic_write_text, log_metrics, print0, rank, read_json
+
+if TYPE_CHECKING:
+    from redumix.pipeline.config import Config
+
+PAD, END, USER, ASSISTANT, SYSTEM = "<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"
+SPECIAL_TOKENS = [PAD, END, USER, ASSISTANT, SYSTEM, REFLECT_OPEN, REFLECT_CLOSE]
+# Every turn opens and closes with a special token, and the tokenizer splits on special tokens before anything
+# else, so a conversation's ids are exactly the concatenation of its turns' ids (the decoders rely on this).
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}" + USER + "{{ message['content'] }}" + END +
+    "{%- elif message['role'] == 'assistant' -%}" + ASSISTANT + "{{ message['content'] }}" + END +
+    "{%- elif message['role'] == 'system' -%}" + SYSTEM + "{{ message['content'] }}" + END +
+    "{%- else -%}{{ raise_exception('unknown chat role: ' + message['role']) }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}" + ASSISTANT + "{%- endif -%}"
+)
 
 
 @dataclass
 class BaseConfig:
-    steps: int = field(default=1600, metadata={"help": "Optimizer steps of base pre-training."})
+    steps: int = field(default=3500, metadata={"help": "Optimizer steps of base pre-training (fixed, not timed)."})
+    batch_rows: int = field(default=2, metadata={"help": "Packed rows per optimizer step."})
+    seq_len: int = field(default=512, metadata={"help": "Tokens per packed row; also the model's window."})
+    vocab_size: int = field(
+        default=768,
+        metadata={"help": "Byte-level BPE vocabulary size, special tokens included. 768 makes the fixed instruction "
+                  "strings one to four tokens, so a reflection episode is ~190 tokens instead of ~345 at 432."},
+    )
+    # Narrow and many steps beats wide and few at this budget: on 2-3-step problems, width 96 for 6000 steps reached
+    # 77% and width 128 for 4000 steps 48%, while width 192 for 2400 steps reached 14% (same wall time).
+    hidden_size: int = field(default=96, metadata={"help": "Model width."})
+    layers: int = field(default=4, metadata={"help": "Transformer blocks."})
+    heads: int = field(default=4, metadata={"help": "Attention heads (hidden_size must divide by it)."})
+    intermediate_size: int = field(default=256, metadata={"help": "MLP width."})
+    lr: float = field(default=3e-3, metadata={"help": "Peak AdamW learning rate."})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "Cosine decays to lr * this."})
+    warmup_steps: int = field(default=60, metadata={"help": "Linear warmup steps."})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay on matrices."})
+    bf16: bool = field(
+        default=False,
+        metadata={"help": "bf16 autocast. Off: on this CPU (AVX-512 without BF16) a training step measured 2.8x "
+                  "slower in bf16 than in float32."},
+    )
+    threads: int = field(default=2, metadata={"help": "torch.set_num_threads while building."})
+    mix_solution: float = field(default=0.45, metadata={"help": "Weight of plain terse solutions in the corpus."})
+    mix_reflection: float = field(default=0.35, metadata={"help": "Weight of reflection episodes."})
+    mix_critique: float = field(default=0.05, metadata={"help": "Weight of self-critique episodes."})
+    mix_refine: float = field(default=0.15, metadata={"help": "Weight of PDR refine episodes."})
+    slip_rate: float = field(default=0.1, metadata={"help": "Share of trained terse solutions with a slip."})
+    wrong_attempt_rate: float = field(default=0.6, metadata={"help": "Share of episode attempts with a slip."})
+    noisy_feedback_rate: float = field(
+        default=0.15, metadata={"help": "Reflection episodes whose feedback verdict is wrong (the check overrules it)."}
+    )
+    check_span_rate: float = field(default=0.1, metadata={"help": "Share of terse lines with a hidden check span."})
+    eval_n: int = field(default=300, metadata={"help": "Held-out test problems for the base's greedy accuracy."})
+    eval_reflection: bool = field(
+        default=True, metadata={"help": "Also measure attempt -> feedback -> reflection -> x2-only redo on eval_n."}
+    )
+    eval_batch_size: int = field(default=100, metadata={"help": "Problems decoded together when measuring."})
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("steps", "batch_rows", "vocab_size", "hidden_size", "layers", "heads", "intermediate_size",
+                     "threads", "eval_n", "eval_batch_size"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len < 64:
+            problems.append(f"seq_len must be >= 64, got {self.seq_len}")
+        if self.vocab_size < 256 + len(SPECIAL_TOKENS):
+            problems.append(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (bytes + special tokens)")
+        if self.heads >= 1 and self.hidden_size % self.heads:
+            problems.append(f"hidden_size {self.hidden_size} must divide by heads {self.heads}")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0 or self.weight_decay < 0:
+            problems.append("need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0, weight_decay >= 0")
+        for name in ("slip_rate", "wrong_attempt_rate", "noisy_feedback_rate", "check_span_rate"):
+            if not 0 <= getattr(self, name) <= 1:
+                problems.append(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        mix = [self.mix_solution, self.mix_reflection, self.mix_critique, self.mix_refine]
+        if min(mix) < 0 or sum(mix) <= 0:
+            problems.append(f"mix_* weights must be >= 0 with a positive sum, got {mix}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def corpus_spec(self) -> CorpusSpec:
+        weights = {"solution": self.mix_solution, "reflection": self.mix_reflection, "critique": self.mix_critique,
+                   "refine": self.mix_refine}
+        return CorpusSpec(weights, self.slip_rate, self.wrong_attempt_rate, self.noisy_feedback_rate,
+                          self.check_span_rate)
+
+
+# --- tokenizer ----------------------------------------------------------------------------------------------------
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE where every digit is its own token, wrapped with the chat template and special tokens."""
+    tok = Tokenizer(models.BPE())
+    # Digits are isolated first, so no merge can span them; between digits, ByteLevel keeps runs whole, which lets
+    # frequent pieces such as " = " become single tokens.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, eos_token=END, extra_special_tokens=[USER, ASSISTANT, SYSTEM,
+                                                                                  REFLECT_OPEN, REFLECT_CLOSE],
+        chat_template=CHAT_TEMPLATE, padding_side="left", model_max_length=1 << 30,
+    )
+
+
+def episode_texts(episodes: list[Episode]) -> list[str]:
+    return [m["content"] for e in episodes for m in e.messages]
+
+
+# --- corpus -> packed rows ----------------------------------------------------------------------------------------
+
+
+def encode_episodes(tokenizer: PreTrainedTokenizerFast, episodes: list[Episode]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(ids, trained) per episode, identical to the chat template's rendering. `trained[i]` marks ids[i] as a target.
+
+    Targets are the content and closing `<|end|>` of trained assistant turns, except `<|reflect|>` itself: only the
+    reflective decoder's gate opens a check span, so the model must never learn to emit one.
+    """
+    ids_of = tokenizer.convert_tokens_to_ids
+    role_id = {"user": ids_of(USER), "assistant": ids_of(ASSISTANT), "system": ids_of(SYSTEM)}
+    end_id, open_id = ids_of(END), ids_of(REFLECT_OPEN)
+    contents = [m["content"] for e in episodes for m in e.messages]
+    encoded = iter(tokenizer.backend_tokenizer.encode_batch_fast(contents, add_special_tokens=False))
+    out = []
+    for episode in episodes:
+        ids: list[int] = []
+        trained: list[bool] = []
+        for index, message in enumerate(episode.messages):
+            content = next(encoded).ids
+            ids += [role_id[message["role"]], *content, end_id]
+            trained += [False] + [index in episode.trained] * (len(content) + 1)
+        ids_array = np.asarray(ids, dtype=np.int64)
+        out.append((ids_array, np.asarray(trained) & (ids_array != open_id)))
+    return out
+
+
+def pack_rows(
+    docs: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """First-fit packing of whole episodes into rows (none is cut). Returns input ids, labels (-100 off target)
+    and position ids, which restart at 0 for every episode as they do at inference; `episode_mask` uses them."""
+    input_ids = np.full((len(docs), seq_len), pad_id, dtype=np.int64)  # at most one row per episode
+    labels = np.full((len(docs), seq_len), -100, dtype=np.int64)
+    positions = np.zeros((len(docs), seq_len), dtype=np.int64)  # padding is one more "episode" starting at 0
+    used: list[int] = []  # tokens filled per row
+    for ids, trained in docs:
+        n = len(ids)
+        if n > seq_len:
+            continue  # cannot happen with default difficulty; a cut episode would teach a context that never occurs
+        for r in range(max(0, len(used) - 8), len(used)):  # a short window keeps packing linear
+            if used[r] + n <= seq_len:
+                break
+        else:
+            r = len(used)
+            used.append(0)
+        input_ids[r, used[r] : used[r] + n] = ids
+        labels[r, used[r] : used[r] + n] = np.where(trained, ids, -100)
+        positions[r, used[r] : used[r] + n] = np.arange(n)
+        used[r] += n
+    rows = len(used)
+    return tuple(torch.from_numpy(a[:rows]) for a in (input_ids, labels, positions))
+
+
+def episode_mask(positions: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] causal attention that stays inside each packed episode (a new one starts where position is 0),
+    so an episode never sees the numbers of the one before it: at inference there is none."""
+    episode = torch.cumsum(positions == 0, dim=1)
+    same = episode[:, :, None] == episode[:, None, :]
+    causal = torch.ones(positions.shape[1], positions.shape[1], dtype=torch.bool).tril()
+    return (same & causal)[:, None]
+
+
+def build_rows(
+    tokenizer: PreTrainedTokenizerFast, episodes_iter, n_rows: int, seq_len: int, chunk: int = 2000
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, int]]:
+    """Draw episodes until `n_rows` rows are full."""
+    pad_id = tokenizer.pad_token_id
+    parts, counts = [], {"episodes": 0, "rows": 0}
+    while counts["rows"] < n_rows:
+        episodes = list(itertools.islice(episodes_iter, chunk))
+        parts.append(pack_rows(encode_episodes(tokenizer, episodes), seq_len, pad_id))
+        counts["episodes"] += len(episodes)
+        counts["rows"] += len(parts[-1][0])
+    input_ids, labels, positions = (torch.cat([p[i] for p in parts])[:n_rows] for i in range(3))
+    return input_ids, labels, positions, counts
+
+
+# --- model and training -------------------------------------------------------------------------------------------
+
+
+def build_model(config: BaseConfig, tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    llama = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.layers, num_attention_heads=config.heads, num_key_value_heads=config.heads,
+        max_position_embeddings=config.seq_len, tie_word_embeddings=True, bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(llama)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = None
+    return model
+
+
+def lr_at(step: int, config: BaseConfig) -> float:
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_model(
+    model: LlamaForCausalLM, rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], config: BaseConfig,
+    run: RunDir | None,
+) -> dict[str, float]:
+    input_ids, labels, positions = rows
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr, betas=(0.9, 0.95),
+    )
+    model.train()
+    start, tokens, ema = time.perf_counter(), 0, None
+    bar = tqdm(range(config.steps), desc="base", disable=rank() != 0, mininterval=2.0)
+    for step in bar:
+        lo = step * config.batch_rows
+        x, y, pos = (t[lo : lo + config.batch_rows] for t in (input_ids, labels, positions))
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, config)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
+            loss = model(input_ids=x, labels=y, position_ids=pos, attention_mask=episode_mask(pos)).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        tokens += x.numel()
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        elapsed = time.perf_counter() - start
+        bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tokens / elapsed:.0f}", refresh=False)
+        if run is not None and (step % 100 == 0 or step == config.steps - 1):
+            log_metrics(run, "base", step=step, loss=round(ema, 4), lr=lr_at(step, config),
+                        tokens_per_s=round(tokens / elapsed))
+    model.eval()
+    elapsed = time.perf_counter() - start
+    return {"train_seconds": round(elapsed, 1), "steps_per_s": round(config.steps / elapsed, 2),
+            "tokens_per_s": round(tokens / elapsed), "final_loss": round(ema, 4)}
+
+
+# --- measuring ----------------------------------------------------------------------------------------------------
+
+_SPAN = re.compile(re.escape(REFLECT_OPEN) + r".*?(?:" + re.escape(REFLECT_CLOSE) + r"|$)", re.S)
+
+
+def visible_text(tokenizer: PreTrainedTokenizerFast, ids: list[int]) -> str:
+    """What the user sees: hidden check spans removed, then every other special token."""
+    text = _SPAN.sub("", tokenizer.decode(ids, skip_special_tokens=False))
+    for token in SPECIAL_TOKENS:
+        text = text.replace(token, "")
+    return text.strip()
+
+
+class _ForceCheckSpans(LogitsProcessor):
+    """Opens a `<|reflect|>` span right after every visible ` = `: the hidden-span experiment's stand-in gate."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, prompt_len: int) -> None:
+        self.trigger = tokenizer(" = ", add_special_tokens=False)["input_ids"]
+        self.open_id = tokenizer.convert_tokens_to_ids(REFLECT_OPEN)
+        self.close_id = tokenizer.convert_tokens_to_ids(REFLECT_CLOSE)
+        self.prompt_len = prompt_len
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        k = len(self.trigger)
+        for row, ids in enumerate(input_ids[:, self.prompt_len :].tolist()):
+            inside = ids.count(self.open_id) > ids.count(self.close_id)
+            if not inside and ids[-k:] == self.trigger:
+                scores[row] = float("-inf")
+                scores[row, self.open_id] = 0.0
+        return scores
+
+
+@torch.inference_mode()
+def greedy(
+    model, tokenizer: PreTrainedTokenizerFast, conversations: list[list[Message]], max_new_tokens: int,
+    batch_size: int, force_checks: bool = False,
+) -> list[str]:
+    """Greedy replies (visible text) to each conversation, batched with left padding."""
+    tokenizer.padding_side = "left"
+    replies = []
+    for lo in range(0, len(conversations), batch_size):
+        texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+                 for c in conversations[lo : lo + batch_size]]
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        prompt_len = batch["input_ids"].shape[1]
+        processors = LogitsProcessorList([_ForceCheckSpans(tokenizer, prompt_len)] if force_checks else [])
+        out = model.generate(
+            **batch, max_new_tokens=max_new_tokens, do_sample=False, logits_processor=processors,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        )
+        replies += [visible_text(tokenizer, row[prompt_len:].tolist()) for row in out]
+    return replies
+
+
+def line_accuracy(solutions: list[str]) -> float:
+    """Share of terse lines `a op b = r` whose r is right for their own a and b."""
+    lines = [m for text in solutions for m in LINE.findall(text)]
+    right = sum(apply(int(a), op, int(b)) == int(r) for a, op, b, r in lines)
+    return right / max(1, len(lines))
+
+
+def reflection_check(
+    model, tokenizer: PreTrainedTokenizerFast, examples: list[Example], attempts: list[str], feedback: str,
+    batch_size: int,
+) -> dict[str, float | int]:
+    """attempt -> feedback -> reflection -> redo decoded from x2 alone (greedy): does reflecting fix answers?
+
+    feedback "verifier" is the answer check; "self" is the model's own critique of its attempt.
+    """
+    if feedback == "verifier":
+        notes = [verifier_feedback(a, e.reference) for a, e in zip(attempts, examples, strict=True)]
+        critique_right = None
+    else:
+        notes = greedy(model, tokenizer, [critique_messages(e.prompt, a) for e, a in zip(examples, attempts, strict=True)], 32,
+                       batch_size)
+        truth = [verifier_feedback(a, e.reference) for a, e in zip(attempts, examples, strict=True)]
+        critique_right = sum(n.strip() == t for n, t in zip(notes, truth, strict=True)) / len(examples)
+    reflections = greedy(model, tokenizer, [reflect_messages(e.prompt, a, r) for e, a, r in
+                                            zip(examples, attempts, notes, strict=True)], 256, batch_size)
+    redos = greedy(model, tokenizer, [redo_messages(e.prompt, a, r, c) for e, a, r, c in
+                                      zip(examples, attempts, notes, reflections, strict=True)], 160, batch_size)
+    before = [is_correct(a, e.reference) for a, e in zip(attempts, examples, strict=True)]
+    after = [is_correct(y, e.reference) for y, e in zip(redos, examples, strict=True)]
+    out = {
+        "original_accuracy": round(sum(before) / len(examples), 4),
+        "redo_accuracy": round(sum(after) / len(examples), 4),
+        "fixed": sum(a and not b for a, b in zip(after, before, strict=True)),
+        "broken": sum(b and not a for a, b in zip(after, before, strict=True)),
+    }
+    if critique_right is not None:
+        out["critique_verdict_accuracy"] = round(critique_right, 4)
+    return out
+
+
+def measure(model, tokenizer: PreTrainedTokenizerFast, config: Config) -> dict:
+    """Greedy accuracy on held-out test problems; with eval_reflection, what reflection and check spans buy."""
+    base = config.base
+    examples = arith_examples(config.task, "test", base.eval_n, config.seed)
+    attempts = greedy(model, tokenizer, [attempt_messages(e.prompt) for e in examples], 160, base.eval_batch_size)
+    correct = [is_correct(a, e.reference) for a, e in zip(attempts, examples, strict=True)]
+    metrics: dict = {
+        "n": len(examples),
+        "accuracy": round(sum(correct) / len(examples), 4),
+        "no_answer": sum(extract_answer(a) is None for a in attempts),
+        "line_accuracy": round(line_accuracy(attempts), 4),
+    }
+    if base.eval_reflection:
+        metrics["reflection_verifier"] = reflection_check(model, tokenizer, examples, attempts, "verifier",
+                                                          base.eval_batch_size)
+        metrics["reflection_self"] = reflection_check(model, tokenizer, examples, attempts, "self",
+                                                      base.eval_batch_size)
+        forced = greedy(model, tokenizer, [attempt_messages(e.prompt) for e in examples], 400, base.eval_batch_size,
+                        force_checks=True)
+        metrics["forced_check_spans"] = {
+            "accuracy": round(sum(is_correct(a, e.reference) for a, e in zip(forced, examples, strict=True)) / len(examples), 4),
+            "line_accuracy": round(line_accuracy(forced), 4),
+        }
+    return metrics
+
+
+# --- the stage ----------------------------------------------------------------------------------------------------
+
+
+def base_is_complete(run: RunDir) -> bool:
+    return (run.base / "metrics.json").is_file()
+
+
+def build_base(config: Config, out_dir: Path, run: RunDir | None = None) -> dict:
+    """Tokenizer, corpus, model and training into `out_dir` (no metrics). Returns build statistics."""
+    base = config.base
+    torch.set_num_threads(base.threads)
+    episodes = corpus_episodes(config.task, base.corpus_spec(), config.seed)
+    sample = list(itertools.islice(episodes, 3000))
+    tokenizer = train_tokenizer(episode_texts(sample) + [CHAT_TEMPLATE], base.vocab_size)
+    n_rows = base.steps * base.batch_rows
+    *rows, counts = build_rows(tokenizer, itertools.chain(sample, episodes), n_rows, base.seq_len)
+    model = build_model(base, tokenizer, config.seed)
+    params = sum(p.numel() for p in model.parameters())
+    print0(f"base: {params / 1e6:.2f}M parameters, vocab {len(tokenizer)}, {counts['episodes']} episodes packed "
+           f"into {n_rows} rows of {base.seq_len} ({(rows[1] != -100).float().mean():.0%} of tokens trained)")
+    stats = train_model(model, rows, base, run)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    atomic_write_text(out_dir / "build_config.yaml", yaml.safe_dump(
+        {"seed": config.seed, "base": asdict(base), "task": asdict(config.task)}, sort_keys=False))
+    return {"parameters": params, "vocab_size": len(tokenizer), **counts, **stats}
+
+
+def run_base(config: Config, run: RunDir) -> None:
+    start = time.perf_counter()
+    if base_is_complete(run):
+        print0(f"base: complete ({run.base / 'metrics.json'} exists); delete {run.base} to rebuild")
+        return
+    torch.set_num_threads(config.base.threads)
+    if (run.base / "config.json").is_file() and (run.base / "build.json").is_file():
+        print0(f"base: {run.base} holds a trained model without metrics; evaluating it")
+        build = read_json(run.base / "build.json")
+    else:
+        shutil.rmtree(run.base, ignore_errors=True)
+        tmp = run.root / f".base.tmp-{random.randrange(1 << 32):08x}"
+        tmp.mkdir(parents=True)
+        try:
+            build = build_base(config, tmp, run)
+            atomic_write_json(tmp / "build.json", build)
+            tmp.rename(run.base)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(run.base).eval()
+    tokenizer = AutoTokenizer.from_pretrained(run.base)
+    measured = measure(model, tokenizer, config)
+    metrics = {**measured, "build": build, "wall_seconds": round(time.perf_counter() - start, 1)}
+    log_metrics(run, "base", **{k: v for k, v in measured.items() if not isinstance(v, dict)},
+                wall_seconds=metrics["wall_seconds"])
+    atomic_write_json(run.base / "metrics.json", metrics)  # the completion marker: last
+    print0(f"base: greedy accuracy {measured['accuracy']:.1%} on {measured['n']} held-out problems"
+           + (f"; x2-only redo after verifier feedback {measured['reflection_verifier']['redo_accuracy']:.1%}"
+              if "reflection_verifier" in measured else "") + f" ({metrics['wall_seconds']:.0f} s)")

@@ -129,7 +129,7 @@ def evaluate_checkpoint(config: Config, run: RunDir, checkpoint: str, path: Path
     from redumix.generate.model_io import load_model
 
     model, tokenizer = load_model(path, config.model.dtype, config.model.device, config.model.trust_remote_code)
-    identity = model_identity(path)
+    identity = f"{model_identity(path)}:{decoding_fingerprint(config)}"
     examples = load_examples(config.task, config.eval.split, max(config.eval.n, config.eval.n_other), config.seed)
     results = {}
     for decoder in config.eval.decoders:
@@ -422,6 +422,16 @@ def model_identity(path: Path) -> str:
         stat = f.stat()
         parts.append(f"{f.name}:{stat.st_size}:{stat.st_mtime_ns}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def decoding_fingerprint(config: Config) -> str:
+    """Everything besides the model that decides a record's text: a change invalidates the stored records."""
+    decisive = {
+        "seed": config.seed, "task": asdict(config.task), "sampling": asdict(config.sampling),
+        "redumix": asdict(config.redumix), "moi": asdict(config.moi), "pdr": asdict(config.pdr),
+        "reflective": asdict(config.reflective), "sample_temperature": config.eval.sample_temperature,
+    }
+    return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def eval_fingerprint(config: Config, checkpoints: dict[str, Path]) -> str:

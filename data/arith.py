@@ -1,0 +1,374 @@
+"""`arith`: seeded multi-step arithmetic word problems with integer answers, and the embedded base's training text.
+
+A problem is a start value and 2-4 operations (`+ a`, `- a`, `* f`), told as a short story. Every canonical problem
+(start value and operations; the names and nouns of the story do not count) falls into one of ten buckets by a
+stable hash: bucket 0 is the `test` split, bucket 1 the `train` split that the harvest reads, and buckets 2-9 are
+what `redumix base` pre-trains on. So the base never sees a held-out or harvested problem, whatever the seeds.
+
+The base's training text teaches two procedures of different reliability (DESIGN.md, "The embedded default"):
+- a terse first attempt, one line per step (`54 * 3 = 162`), some with realistic slips;
+- a long-hand check that splits tens and units (`54 * 3: 50 * 3 = 150, 4 * 3 = 12, 150 + 12 = 162`). Reflections,
+  refine answers and hidden `<|reflect|>` spans use it. Checking this way is more reliable than the terse line, so
+  a redo conditioned on the check is more accurate than the attempt: that gap is what ReDuMix harvests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+from redumix.data.grading import verifier_feedback
+from redumix.data.prompts import (
+    Message,
+    attempt_messages,
+    critique_messages,
+    format_workspace,
+    redo_messages,
+    refine_messages,
+)
+from redumix.data.tasks import Example, Split, TaskConfig
+
+Op = Literal["+", "-", "*"]
+REFLECT_OPEN = "<|reflect|>"
+REFLECT_CLOSE = "<|/reflect|>"
+BUCKETS = 10
+SPLIT_BUCKET = {"test": 0, "train": 1}  # every other bucket belongs to base pre-training
+LINE = re.compile(r"(\d+) ([-+*]) (\d+) = (\d+)")  # one computation, terse or long-hand
+
+_NAMES = [("Ava", "She"), ("Ben", "He"), ("Cleo", "She"), ("Dan", "He"), ("Eva", "She"), ("Finn", "He"),
+          ("Gia", "She"), ("Hugo", "He"), ("Iris", "She"), ("Jack", "He"), ("Lena", "She"), ("Max", "He")]
+_ITEMS = ["apples", "books", "coins", "shells", "stamps", "marbles", "cards", "beads", "pens", "stickers"]
+_PLUS = ["{He} finds {n} more.", "{He} buys {n} more.", "{He} gets {n} more."]
+_MINUS = ["{He} gives away {n}.", "{He} loses {n}.", "{He} sells {n}."]
+_TIMES = ["Then {he} has {n} times as many.", "The pile grows to {n} times its size."]
+
+
+# --- problems -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Step:
+    op: Op
+    operand: int
+
+
+@dataclass(frozen=True)
+class Problem:
+    start: int
+    steps: tuple[Step, ...]
+    name: str = "Ava"
+    pronoun: str = "She"
+    item: str = "apples"
+    phrasing: tuple[int, ...] = ()  # which sentence template tells each step
+
+    @property
+    def key(self) -> str:
+        """The canonical problem: the arithmetic only, so a renamed story is the same problem."""
+        return f"{self.start}" + "".join(f"{s.op}{s.operand}" for s in self.steps)
+
+    @property
+    def bucket(self) -> int:
+        return int.from_bytes(hashlib.sha256(self.key.encode()).digest()[:8], "big") % BUCKETS
+
+    def values(self) -> list[int]:
+        """The running value before the first step and after each one."""
+        values = [self.start]
+        for step in self.steps:
+            values.append(apply(values[-1], step.op, step.operand))
+        return values
+
+    @property
+    def answer(self) -> int:
+        return self.values()[-1]
+
+    def text(self) -> str:
+        he, him = self.pronoun, self.pronoun.lower()
+        sentences = [f"{self.name} has {self.start} {self.item}."]
+        for step, choice in zip(self.steps, self.phrasing or (0,) * len(self.steps), strict=True):
+            templates = {"+": _PLUS, "-": _MINUS, "*": _TIMES}[step.op]
+            sentences.append(templates[choice % len(templates)].format(He=he, he=him, n=step.operand))
+        sentences.append(f"How many {self.item} does {self.name} have now?")
+        return " ".join(sentences)
+
+
+def apply(value: int, op: str, operand: int) -> int:
+    if op == "+":
+        return value + operand
+    if op == "-":
+        return value - operand
+    if op == "*":
+        return value * operand
+    raise ValueError(f"unknown operation {op!r}")
+
+
+def sample_problem(rng: random.Random, config: TaskConfig) -> Problem:
+    """One problem: results stay positive, and `*` is used only on values up to mul_value_max."""
+    value = rng.randint(2, config.start_max)
+    start = value
+    steps = []
+    for _ in range(rng.randint(config.steps_min, config.steps_max)):
+        ops: list[Op] = ["+"] + (["-"] if value >= 2 else []) + (["*"] if value <= config.mul_value_max else [])
+        op = rng.choice(ops)
+        if op == "+":
+            operand = rng.randint(1, config.operand_max)
+        elif op == "-":
+            operand = rng.randint(1, min(config.operand_max, value - 1))
+        else:
+            operand = rng.randint(2, config.factor_max)
+        steps.append(Step(op, operand))
+        value = apply(value, op, operand)
+    name, pronoun = rng.choice(_NAMES)
+    phrasing = tuple(rng.randrange(6) for _ in steps)
+    return Problem(start, tuple(steps), name, pronoun, rng.choice(_ITEMS), phrasing)
+
+
+def problems_in_buckets(config: TaskConfig, buckets: set[int], stream: str, seed: int) -> Iterator[Problem]:
+    """An endless, seeded stream of distinct problems whose canonical form hashes into `buckets`."""
+    rng = random.Random(f"arith:{stream}:{seed}")  # str seeds hash with SHA-512: stable across processes
+    seen: set[str] = set()
+    misses = 0
+    while True:
+        problem = sample_problem(rng, config)
+        if problem.bucket in buckets and problem.key not in seen:
+            seen.add(problem.key)
+            misses = 0
+            yield problem
+            continue
+        misses += 1
+        if misses > 100_000:
+            raise ValueError(
+                f"arith: found no new {stream!r} problem in 100000 draws after {len(seen)}; the difficulty "
+                "settings (task.steps_*, start_max, operand_max, factor_max) allow too few distinct problems"
+            )
+
+
+def arith_problems(config: TaskConfig, split: Split, n: int, seed: int) -> list[Problem]:
+    if split not in SPLIT_BUCKET:
+        raise ValueError(f"arith has splits 'train' and 'test', not {split!r}")
+    stream = problems_in_buckets(config, {SPLIT_BUCKET[split]}, split, seed)
+    return [next(stream) for _ in range(n)]
+
+
+def arith_examples(config: TaskConfig, split: Split, n: int, seed: int) -> list[Example]:
+    """The first n problems of a split, ids `arith-{split}-{index:06d}`; a larger n extends the same list."""
+    return [
+        Example(id=f"arith-{split}-{i:06d}", task="arith", prompt=p.text() + config.prompt_suffix,
+                reference=str(p.answer))
+        for i, p in enumerate(arith_problems(config, split, n, seed))
+    ]
+
+
+# --- solutions ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Line:
+    """One terse line `left op right = result`; `result` may be a slip."""
+
+    left: int
+    op: Op
+    right: int
+    result: int
+
+    @property
+    def right_result(self) -> int:
+        return apply(self.left, self.op, self.right)
+
+    def text(self, check: bool = False) -> str:
+        if not check:
+            return f"{self.left} {self.op} {self.right} = {self.result}"
+        span = REFLECT_OPEN + long_hand(self.left, self.op, self.right) + REFLECT_CLOSE
+        return f"{self.left} {self.op} {self.right} = {span}{self.result}"
+
+
+def long_hand(left: int, op: str, right: int) -> str:
+    """The careful way: split into tens and units. `47 + 38` -> `40 + 30 = 70, 7 + 8 = 15, 70 + 15 = 85`."""
+    tens_l, units_l = left - left % 10, left % 10
+    tens_r, units_r = right - right % 10, right % 10
+    if op == "+":
+        tens, units = tens_l + tens_r, units_l + units_r
+        return f"{tens_l} + {tens_r} = {tens}, {units_l} + {units_r} = {units}, {tens} + {units} = {tens + units}"
+    if op == "-":
+        # Tens first, then the units without a borrow: down to the round ten, then the rest from it
+        # (`42 - 4: 42 - 0 = 42, 42 - 2 = 40, 40 - 2 = 38`). A borrow is exactly the terse line's usual slip.
+        middle = left - tens_r
+        if units_r <= middle % 10 or middle % 10 == 0:
+            return f"{left} - {tens_r} = {middle}, {middle} - {units_r} = {middle - units_r}"
+        down, rest = middle % 10, units_r - middle % 10
+        return (f"{left} - {tens_r} = {middle}, {middle} - {down} = {middle - down}, "
+                f"{middle - down} - {rest} = {middle - units_r}")
+    if op == "*":
+        tens, units = tens_l * right, units_l * right
+        return f"{tens_l} * {right} = {tens}, {units_l} * {right} = {units}, {tens} + {units} = {tens + units}"
+    raise ValueError(f"unknown operation {op!r}")
+
+
+def slip(rng: random.Random, line: Line) -> Line:
+    """A realistic mistake in one line: a wrong units digit, a dropped or extra carry, or a mis-copied operand."""
+    kind = rng.choice(["digit", "carry", "copy"])
+    if kind == "copy" and line.right >= 10 and line.op != "*":
+        digits = str(line.right)
+        swapped = int(digits[::-1]) if digits[0] != digits[-1] else line.right + rng.choice([-1, 1])
+        wrong = Line(line.left, line.op, swapped, 0)
+        if wrong.right_result > 0 and swapped > 0:
+            return Line(line.left, line.op, swapped, wrong.right_result)
+    true = line.right_result
+    for _ in range(20):
+        if kind == "carry":
+            wrong = true + rng.choice([-10, 10]) * (10 if true >= 100 and rng.random() < 0.3 else 1)
+        else:
+            wrong = true - true % 10 + rng.choice([d for d in range(10) if d != true % 10])
+        if wrong > 0 and wrong != true:
+            return Line(line.left, line.op, line.right, wrong)
+    return Line(line.left, line.op, line.right, true + 1)
+
+
+def attempt_lines(problem: Problem, rng: random.Random, slips: set[int] = frozenset()) -> list[Line]:
+    """The terse solution, with a slip in each line index in `slips`; later lines carry the wrong value on."""
+    lines, value = [], problem.start
+    for index, step in enumerate(problem.steps):
+        line = Line(value, step.op, step.operand, apply(value, step.op, step.operand))
+        if index in slips:
+            line = slip(rng, line)
+        lines.append(line)
+        value = line.result
+    return lines
+
+
+def solution_text(lines: list[Line], checks: set[int] = frozenset()) -> str:
+    """Terse lines then the final-answer line that `grading.extract_answer` reads."""
+    body = [line.text(check=i in checks) for i, line in enumerate(lines)]
+    return "\n".join([*body, f"The answer is {lines[-1].result}."])
+
+
+def long_hand_solution(problem: Problem) -> str:
+    """A whole solution done the careful way, one step per line (the PDR refine target)."""
+    values = problem.values()
+    body = [f"{a} {s.op} {s.operand}: {long_hand(a, s.op, s.operand)}" for a, s in zip(values[:-1], problem.steps, strict=True)]
+    return "\n".join([*body, f"The answer is {problem.answer}."])
+
+
+def reflection_text(problem: Problem, attempt: list[Line]) -> str:
+    """Re-derive every step long-hand from the problem (not from the attempt), judge each terse line, name the slip."""
+    values = problem.values()
+    out = ["I check each line the long way."]
+    first_wrong = None
+    for index, step in enumerate(problem.steps):
+        a, result = values[index], values[index + 1]
+        check = f"Line {index + 1}: {a} {step.op} {step.operand}: {long_hand(a, step.op, step.operand)}."
+        written = attempt[index].result if index < len(attempt) else None
+        if written == result:
+            out.append(f"{check} Right.")
+        else:
+            out.append(f"{check} Wrong, I wrote {written}." if written is not None else f"{check} Missing.")
+            first_wrong = index + 1 if first_wrong is None else first_wrong
+    if first_wrong is None:
+        out.append(f"All lines are right, so the answer {problem.answer} stands.")
+    else:
+        out.append(f"The first mistake is in line {first_wrong}, so the answer should be {problem.answer}.")
+    return "\n".join(out)
+
+
+# --- the base's training corpus -------------------------------------------------------------------------------------
+
+
+@dataclass
+class CorpusSpec:
+    """How the base's training text is mixed. Weights are relative; rates are per episode or per line."""
+
+    weights: dict[str, float] = field(
+        default_factory=lambda: {"solution": 0.4, "reflection": 0.35, "critique": 0.1, "refine": 0.15}
+    )
+    slip_rate: float = 0.1  # share of trained terse solutions that contain a slip (the base stays imperfect)
+    wrong_attempt_rate: float = 0.5  # share of reflection/critique/refine attempts that contain a slip
+    noisy_feedback_rate: float = 0.15  # reflection episodes whose feedback verdict is wrong (as a self-critique can be)
+    check_span_rate: float = 0.1  # share of terse solution lines with a hidden <|reflect|> check span
+
+
+@dataclass
+class Episode:
+    """One training conversation; only the assistant turns listed in `trained` carry loss."""
+
+    kind: str
+    messages: list[Message]
+    trained: tuple[int, ...]
+
+
+def _wrong_attempt(problem: Problem, rng: random.Random) -> list[Line]:
+    n = len(problem.steps)
+    slips = {rng.randrange(n)}
+    if n > 2 and rng.random() < 0.15:
+        slips.add(rng.randrange(n))
+    return attempt_lines(problem, rng, slips)
+
+
+def _attempt(problem: Problem, rng: random.Random, wrong_rate: float) -> list[Line]:
+    return _wrong_attempt(problem, rng) if rng.random() < wrong_rate else attempt_lines(problem, rng)
+
+
+def _turns(messages: list[Message], trained_roles_from: int) -> tuple[int, ...]:
+    return tuple(i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= trained_roles_from)
+
+
+def solution_episode(problem: Problem, rng: random.Random, spec: CorpusSpec) -> Episode:
+    lines = _attempt(problem, rng, spec.slip_rate)
+    checks = {i for i, line in enumerate(lines) if line.result == line.right_result and rng.random() < spec.check_span_rate}
+    messages = [*attempt_messages(problem.text()), {"role": "assistant", "content": solution_text(lines, checks)}]
+    return Episode("solution", messages, (1,))
+
+
+def reflection_episode(problem: Problem, rng: random.Random, spec: CorpusSpec) -> Episode:
+    """attempt -> feedback + REFLECT -> long-hand reflection -> REDO -> corrected terse solution. The attempt is
+    context only: training on it would teach slips at the rate reflection needs to see them."""
+    prompt = problem.text()
+    lines = _attempt(problem, rng, spec.wrong_attempt_rate)
+    attempt = solution_text(lines)
+    feedback = verifier_feedback(attempt, str(problem.answer))
+    if rng.random() < spec.noisy_feedback_rate:  # a misleading verdict; the long-hand check must overrule it
+        right = lines[-1].result == problem.answer
+        feedback = f"Your final answer {lines[-1].result} is {'wrong' if right else 'correct'}."
+    reflection = reflection_text(problem, lines)
+    messages = redo_messages(prompt, attempt, feedback, reflection)
+    messages.append({"role": "assistant", "content": solution_text(attempt_lines(problem, rng))})
+    return Episode("reflection", messages, (3, 5))
+
+
+def critique_episode(problem: Problem, rng: random.Random, spec: CorpusSpec) -> Episode:
+    """[x ‖ y1 ‖ CRITIQUE] -> a verdict phrased as the verifier would, so feedback="self" reads like feedback."""
+    attempt = solution_text(_attempt(problem, rng, spec.wrong_attempt_rate))
+    messages = critique_messages(problem.text(), attempt)
+    messages.append({"role": "assistant", "content": verifier_feedback(attempt, str(problem.answer))})
+    return Episode("critique", messages, (3,))
+
+
+def refine_episode(problem: Problem, rng: random.Random, spec: CorpusSpec) -> Episode:
+    """PDR: earlier terse solutions (some wrong) in the workspace -> a careful long-hand solution."""
+    drafts = [solution_text(_attempt(problem, rng, spec.wrong_attempt_rate)) for _ in range(rng.randint(1, 4))]
+    messages = refine_messages(problem.text(), format_workspace(drafts))
+    messages.append({"role": "assistant", "content": long_hand_solution(problem)})
+    return Episode("refine", messages, (1,))
+
+
+EPISODES = {
+    "solution": solution_episode,
+    "reflection": reflection_episode,
+    "critique": critique_episode,
+    "refine": refine_episode,
+}
+
+
+def corpus_episodes(config: TaskConfig, spec: CorpusSpec, seed: int) -> Iterator[Episode]:
+    """An endless, seeded stream of base training episodes on problems outside the test and train buckets."""
+    unknown = set(spec.weights) - set(EPISODES)
+    if unknown:
+        raise ValueError(f"unknown episode kinds {sorted(unknown)}; known: {sorted(EPISODES)}")
+    kinds = [k for k, w in spec.weights.items() if w > 0]
+    weights = [spec.weights[k] for k in kinds]
+    rng = random.Random(f"arith:corpus:{seed}")
+    base_buckets = set(range(BUCKETS)) - set(SPLIT_BUCKET.values())
+    for problem in problems_in_buckets(config, base_buckets, "base", seed):
+        yield EPISODES[rng.choices(kinds, weights)[0]](problem, rng, spec)

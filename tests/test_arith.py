@@ -1,0 +1,184 @@
+"""The arith task: seeded, disjoint splits, right answers, right long-hand checks, and well-formed training text."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+
+import pytest
+
+from redumix.data.arith import (
+    BUCKETS,
+    LINE,
+    REFLECT_CLOSE,
+    REFLECT_OPEN,
+    SPLIT_BUCKET,
+    CorpusSpec,
+    Problem,
+    Step,
+    arith_examples,
+    arith_problems,
+    attempt_lines,
+    corpus_episodes,
+    long_hand,
+    long_hand_solution,
+    problems_in_buckets,
+    reflection_text,
+    solution_text,
+)
+from redumix.data.grading import extract_answer, is_correct
+from redumix.data.prompts import CRITIQUE, REDO, REFINE, REFLECT
+from redumix.data.tasks import TaskConfig, load_examples
+
+WORDS = {"more": "+", "away": "-", "loses": "-", "sells": "-", "times": "*"}
+
+
+def solve_from_text(prompt: str) -> int:
+    """An independent solver that reads the story sentence by sentence (no use of data/arith.py's arithmetic)."""
+    sentences = [s for s in prompt.split(".") if s.strip()]
+    value = int(re.search(r"has (\d+)", sentences[0]).group(1))
+    for sentence in sentences[1:]:
+        numbers = re.findall(r"\d+", sentence)
+        if not numbers:
+            continue
+        n = int(numbers[0])
+        if "times" in sentence:
+            value *= n
+        elif "more" in sentence:
+            value += n
+        else:
+            value -= n
+    return value
+
+
+def test_examples_are_seeded_and_prefix_stable():
+    config = TaskConfig()
+    a = arith_examples(config, "test", 50, seed=0)
+    assert a == arith_examples(config, "test", 50, seed=0)
+    assert arith_examples(config, "test", 20, seed=0) == a[:20]
+    assert arith_examples(config, "test", 50, seed=1) != a
+    assert [e.id for e in a[:2]] == ["arith-test-000000", "arith-test-000001"]
+    assert load_examples(config, "test", 50, seed=0) == a
+
+
+def test_answers_are_right():
+    for example in arith_examples(TaskConfig(), "train", 300, seed=3):
+        assert example.task == "arith"
+        assert int(example.reference) == solve_from_text(example.prompt) > 0
+
+
+def test_splits_are_disjoint_from_each_other_and_from_the_base_corpus():
+    config = TaskConfig()
+    keys = {split: {p.key for p in arith_problems(config, split, 400, seed=0)} for split in ("train", "test")}
+    assert not keys["train"] & keys["test"]
+    assert len(keys["test"]) == 400  # no duplicate inside a split
+    # Another seed draws other problems, but never across the bucket boundary.
+    assert not {p.key for p in arith_problems(config, "test", 200, seed=7)} & keys["train"]
+    base_buckets = set(range(BUCKETS)) - set(SPLIT_BUCKET.values())
+    base = {p.key for p in itertools.islice(problems_in_buckets(config, base_buckets, "base", 0), 3000)}
+    assert not base & (keys["train"] | keys["test"])
+
+
+def test_difficulty_settings_are_obeyed():
+    config = TaskConfig(steps_min=3, steps_max=3, start_max=9, operand_max=5, factor_max=3, mul_value_max=20)
+    for problem in arith_problems(config, "train", 200, seed=0):
+        assert len(problem.steps) == 3 and 2 <= problem.start <= 9
+        values = problem.values()
+        for value, step in zip(values, problem.steps, strict=False):
+            if step.op == "*":
+                assert 2 <= step.operand <= 3 and value <= 20
+            else:
+                assert 1 <= step.operand <= 5
+        assert min(values) > 0
+
+
+def test_too_few_problems_is_a_clear_error():
+    config = TaskConfig(steps_min=1, steps_max=1, start_max=2, operand_max=2, factor_max=2, mul_value_max=2)
+    with pytest.raises(ValueError, match="too few distinct problems"):
+        arith_problems(config, "test", 50, seed=0)
+
+
+@pytest.mark.parametrize("op", ["+", "-", "*"])
+def test_long_hand_checks_are_arithmetically_right(op):
+    rng = random.Random(op)
+    for _ in range(500):
+        left = rng.randint(1, 999)
+        right = rng.randint(2, 9) if op == "*" else rng.randint(1, left if op == "-" else 40)
+        text = long_hand(left, op, right)
+        lines = LINE.findall(text)
+        assert len(lines) >= 2
+        for a, o, b, r in lines:
+            assert eval(f"{a} {o} {b}") == int(r), text
+        assert int(lines[-1][3]) == eval(f"{left} {op} {right}")
+    assert long_hand(47, "+", 38) == "40 + 30 = 70, 7 + 8 = 15, 70 + 15 = 85"
+    assert long_hand(54, "*", 3) == "50 * 3 = 150, 4 * 3 = 12, 150 + 12 = 162"
+    assert long_hand(42, "-", 14) == "42 - 10 = 32, 32 - 2 = 30, 30 - 2 = 28"  # no borrow anywhere
+
+
+def test_slips_are_wrong_and_propagate():
+    problem = Problem(23, (Step("+", 17), Step("*", 3), Step("-", 9)))
+    rng = random.Random(0)
+    for _ in range(200):
+        lines = attempt_lines(problem, rng, slips={1})
+        assert lines[0].result == 40
+        assert lines[1].result != lines[1].right_result or lines[1].right != 3 or lines[1].left != 40
+        assert lines[2].left == lines[1].result  # the next line carries the wrong value on
+        assert lines[2].result == lines[2].right_result
+        assert not is_correct(solution_text(lines), str(problem.answer))
+    clean = solution_text(attempt_lines(problem, rng))
+    assert clean == "23 + 17 = 40\n40 * 3 = 120\n120 - 9 = 111\nThe answer is 111."
+    assert extract_answer(clean) == "111"
+
+
+def test_reflection_names_the_wrong_line_and_rederives_every_step():
+    problem = Problem(23, (Step("+", 17), Step("*", 3), Step("-", 9)))
+    lines = attempt_lines(problem, random.Random(1), slips={1})
+    text = reflection_text(problem, lines)
+    assert "Line 1: 23 + 17: 20 + 10 = 30, 3 + 7 = 10, 30 + 10 = 40. Right." in text
+    assert f"Wrong, I wrote {lines[1].result}." in text
+    assert "The first mistake is in line 2, so the answer should be 111." in text
+    for a, o, b, r in LINE.findall(text):
+        assert eval(f"{a} {o} {b}") == int(r)
+    right = reflection_text(problem, attempt_lines(problem, random.Random(1)))
+    assert "Wrong" not in right and right.endswith("so the answer 111 stands.")
+    assert long_hand_solution(problem).endswith("120 - 0 = 120, 120 - 9 = 111\nThe answer is 111.")
+
+
+def test_corpus_episodes_use_the_pipeline_turns():
+    spec = CorpusSpec(check_span_rate=0.5)
+    episodes = list(itertools.islice(corpus_episodes(TaskConfig(), spec, seed=0), 400))
+    assert episodes == list(itertools.islice(corpus_episodes(TaskConfig(), spec, seed=0), 400))
+    kinds = {e.kind for e in episodes}
+    assert kinds == {"solution", "reflection", "critique", "refine"}
+    for e in episodes:
+        roles = [m["role"] for m in e.messages]
+        assert roles[0] == "user" and roles[-1] == "assistant"
+        assert all(roles[i] == "assistant" for i in e.trained)
+        final = e.messages[-1]["content"]
+        if e.kind == "reflection":
+            assert e.messages[2]["content"].endswith(REFLECT) and e.messages[4]["content"] == REDO
+            assert e.messages[2]["content"].startswith("Your final answer ")
+            assert e.trained == (3, 5)  # the (possibly wrong) attempt is context only
+        if e.kind in ("reflection", "refine"):
+            problem_answer = solve_from_text(e.messages[0]["content"].split("\nEarlier solutions:")[0])
+            assert is_correct(final, str(problem_answer))
+        if e.kind == "critique":
+            assert e.messages[2]["content"] == CRITIQUE
+            assert re.fullmatch(r"Your final answer \d+ is (correct|wrong)\.", final)
+        if e.kind == "refine":
+            assert e.messages[0]["content"].endswith(REFINE) and "Earlier solutions:\nSolution 1:\n" in (
+                e.messages[0]["content"]
+            )
+
+
+def test_hidden_check_spans_are_placed_after_equals_and_right():
+    spec = CorpusSpec(weights={"solution": 1.0}, slip_rate=0.0, check_span_rate=1.0)
+    for episode in itertools.islice(corpus_episodes(TaskConfig(), spec, seed=0), 50):
+        text = episode.messages[1]["content"]
+        spans = re.findall(r"(\d+) ([-+*]) (\d+) = " + re.escape(REFLECT_OPEN) + r"(.*?)" + re.escape(REFLECT_CLOSE)
+                           + r"(\d+)", text)
+        assert spans and len(spans) == text.count(REFLECT_OPEN)
+        for a, op, b, check, result in spans:
+            assert int(result) == eval(f"{a} {op} {b}")
+            assert check == long_hand(int(a), op, int(b))

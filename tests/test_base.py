@@ -1,0 +1,156 @@
+"""`redumix base`: the tokenizer, the chat template's token-concatenativity, packing, and a tiny end-to-end build."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from redumix.data.arith import REFLECT_CLOSE, REFLECT_OPEN, CorpusSpec, corpus_episodes
+from redumix.data.prompts import critique_messages, redo_messages, refine_messages
+from redumix.data.tasks import TaskConfig
+from redumix.generate.chat import prompt_ids, template_pieces
+from redumix.pipeline.base import (
+    ASSISTANT,
+    END,
+    USER,
+    base_is_complete,
+    encode_episodes,
+    episode_texts,
+    pack_rows,
+    run_base,
+    train_tokenizer,
+)
+from redumix.pipeline.config import load_config
+from redumix.pipeline.run import RunDir
+
+CONVERSATION = redo_messages(
+    "Ava has 23 apples. She buys 17 more. How many apples does Ava have now?",
+    "23 + 17 = 41\nThe answer is 41.",
+    "Your final answer 41 is wrong.",
+    "I check each line the long way.\nLine 1: 23 + 17: 20 + 10 = 30, 3 + 7 = 10, 30 + 10 = 40. Wrong, I wrote 41.",
+)
+
+
+@pytest.fixture(scope="module")
+def episodes():
+    return list(itertools.islice(corpus_episodes(TaskConfig(), CorpusSpec(check_span_rate=0.3), seed=0), 600))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(episodes, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tok")
+    train_tokenizer(episode_texts(episodes), vocab_size=400).save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)  # what every later stage loads
+
+
+def ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_tokenizer_round_trips_and_splits_digits(tokenizer):
+    assert len(tokenizer) == 400
+    for text in ["54 * 3 = 162\nThe answer is 162.", "Zoë paid $1,234.50 — ok?", CONVERSATION[3]["content"]]:
+        assert tokenizer.decode(ids(tokenizer, text)) == text
+    pieces = [tokenizer.decode([t]) for t in ids(tokenizer, "has 9876543210 apples")]
+    assert "".join(pieces[pieces.index("9") : pieces.index("0") + 1]) == "9876543210"
+    assert all(len(p) == 1 for p in pieces[pieces.index("9") : pieces.index("0") + 1])
+    for token in (END, USER, ASSISTANT, REFLECT_OPEN, REFLECT_CLOSE, tokenizer.pad_token):
+        assert len(ids(tokenizer, token)) == 1
+    assert tokenizer.eos_token == END and tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert tokenizer.bos_token is None  # nothing is prepended, so pieces concatenate
+
+
+def test_chat_template_renders_the_pipeline_turns(tokenizer):
+    text = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=False)
+    expected = "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in CONVERSATION) + ASSISTANT
+    assert text == expected
+    plain = tokenizer.apply_chat_template(CONVERSATION[:1], tokenize=False)
+    assert plain == f"{USER}{CONVERSATION[0]['content']}{END}"
+    for messages in (critique_messages("Q?", "1 + 1 = 2\nThe answer is 2."), refine_messages("Q?", "Solution 1:\nx")):
+        assert tokenizer.apply_chat_template(messages, tokenize=False).count(END) == len(messages)
+
+
+def test_chat_template_is_token_concatenative(tokenizer):
+    """x2's ids = x's ids + y1's ids + the later turns' ids, however each piece was tokenized."""
+    full = prompt_ids(tokenizer, CONVERSATION)
+    for k in range(1, len(CONVERSATION) + 1):
+        prefix = ids(tokenizer, tokenizer.apply_chat_template(CONVERSATION[:k], tokenize=False))
+        assert full[: len(prefix)] == prefix
+    pieces = template_pieces(tokenizer, CONVERSATION)
+    turns = [ids(tokenizer, m["content"]) for m in CONVERSATION if m["role"] == "assistant"]
+    rebuilt = pieces[0] + turns[0] + pieces[1] + turns[1] + pieces[2]
+    assert rebuilt == full
+    # generated ids that are not the canonical tokenization still splice in cleanly at turn boundaries
+    odd = [tokenizer.convert_tokens_to_ids(t) for t in tokenizer.convert_ids_to_tokens(turns[0])]
+    assert pieces[0] + odd + pieces[1] == full[: len(pieces[0] + odd + pieces[1])]
+
+
+def test_encoded_episodes_match_the_template_and_mask_the_reflect_marker(tokenizer, episodes):
+    docs = encode_episodes(tokenizer, episodes)
+    open_id = tokenizer.convert_tokens_to_ids(REFLECT_OPEN)
+    close_id = tokenizer.convert_tokens_to_ids(REFLECT_CLOSE)
+    saw_span = False
+    for episode, (doc_ids, trained) in zip(episodes, docs, strict=True):
+        assert doc_ids.tolist() == ids(tokenizer, tokenizer.apply_chat_template(episode.messages, tokenize=False))
+        assert not trained[doc_ids == open_id].any()
+        if (doc_ids == open_id).any():
+            saw_span = True
+            assert trained[doc_ids == close_id].all()  # the model learns to close a span and what follows
+        # every target sits in a trained assistant turn, and ends with that turn's <|end|>
+        end_id = tokenizer.convert_tokens_to_ids(END)
+        assert doc_ids[trained][-1] == end_id
+    assert saw_span
+    input_ids, labels, positions = pack_rows(docs, 512, tokenizer.pad_token_id)
+    total = sum(len(d) for d, _ in docs)
+    assert int((input_ids != tokenizer.pad_token_id).sum()) == total  # nothing dropped, nothing cut
+    assert int((labels != -100).sum()) == sum(int(t.sum()) for _, t in docs)
+    assert input_ids.shape[1] == 512 and len(input_ids) < len(docs)
+    starts = (input_ids == tokenizer.convert_tokens_to_ids(USER)).sum()
+    assert starts >= len(docs)  # whole episodes: each still opens with its user turn
+
+
+def test_tiny_base_builds_end_to_end_and_is_skipped_after(tmp_path, capsys):
+    overrides = [
+        "base.steps=3", "base.batch_rows=2", "base.hidden_size=32", "base.layers=2", "base.heads=2",
+        "base.intermediate_size=64", "base.vocab_size=320", "base.eval_n=3", "base.eval_batch_size=3",
+        "base.threads=1", "base.warmup_steps=1",
+    ]
+    config = load_config("recipes/tiny.yaml", overrides)
+    run = RunDir(tmp_path / "run")
+    run_base(config, run)
+    assert base_is_complete(run)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "build_config.yaml"):
+        assert (run.base / name).is_file(), name
+    assert not list(run.root.glob(".base.tmp-*"))
+    model = AutoModelForCausalLM.from_pretrained(run.base)
+    tokenizer = AutoTokenizer.from_pretrained(run.base)
+    assert model.config.model_type == "llama" and model.config.vocab_size == len(tokenizer) == 320
+    assert model.config.hidden_size == 32 and model.generation_config.eos_token_id == tokenizer.eos_token_id
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids(tokenizer, CONVERSATION)])).logits
+    assert torch.isfinite(logits).all()
+    metrics = json.loads((run.base / "metrics.json").read_text())
+    assert metrics["n"] == 3 and 0 <= metrics["accuracy"] <= 1
+    assert {"original_accuracy", "redo_accuracy", "fixed", "broken"} <= set(metrics["reflection_verifier"])
+    assert "critique_verdict_accuracy" in metrics["reflection_self"]
+    assert metrics["build"]["steps_per_s"] > 0 and metrics["build"]["parameters"] == model.num_parameters()
+    logged = [json.loads(line) for line in run.metrics.read_text().splitlines()]
+    assert any(line["stage"] == "base" and "loss" in line for line in logged)
+    assert any(line["stage"] == "base" and "accuracy" in line for line in logged)
+
+    stamp = (run.base / "metrics.json").stat().st_mtime_ns
+    capsys.readouterr()
+    run_base(config, run)
+    assert "complete" in capsys.readouterr().out
+    assert (run.base / "metrics.json").stat().st_mtime_ns == stamp
+
+    # A crash after training but before the marker: the rerun evaluates the saved model instead of training.
+    weights = (run.base / "model.safetensors").stat().st_mtime_ns
+    (run.base / "metrics.json").unlink()
+    run_base(config, run)
+    assert "without metrics" in capsys.readouterr().out
+    assert base_is_complete(run) and (run.base / "model.safetensors").stat().st_mtime_ns == weights
