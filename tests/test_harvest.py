@@ -90,7 +90,6 @@ def test_killed_harvest_resumes_to_the_same_rows(tmp_path, model_dir):
     time.sleep(random.uniform(0, 0.5))  # somewhere inside a later shard, or after the last
     process.send_signal(signal.SIGKILL)
     process.wait()
-    assert not (run_dir / "harvest" / "manifest.json").exists() or process.returncode == 0
     resumed = comparable(harvest(run_dir, model_dir))
     assert resumed == expected
     leftovers = [p for p in (run_dir / "harvest").iterdir() if p.name.endswith(".tmp")]
