@@ -16,10 +16,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer with a chat template whose turn markers are single special ids."""
+def build_tiny_tokenizer(specials: list[str] = SPECIALS) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer with a chat template whose turn markers are single special ids.
+
+    `specials` starts with pad, end, user, assistant; what follows are extra single-id special tokens.
+    """
     chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars + ["<|unk|>"])}
+    vocab = {tok: i for i, tok in enumerate([*specials, *chars, "<|unk|>"])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -28,7 +31,7 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
         pad_token="<|pad|>",
         eos_token="<|end|>",
         unk_token="<|unk|>",
-        additional_special_tokens=SPECIALS[2:],
+        additional_special_tokens=specials[2:],
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.padding_side = "left"

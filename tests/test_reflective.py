@@ -4,11 +4,9 @@ counter, peeks that leave the main cache as it was, and the gate/budget rules of
 from __future__ import annotations
 
 import dataclasses
-import string
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from redumix.data.prompts import attempt_messages
@@ -26,7 +24,7 @@ from redumix.generate.reflective import (
     uncertainty,
 )
 from redumix.generate.sampling import clone, generate_batch, prefill
-from tests.conftest import build_tiny_model
+from tests.conftest import build_tiny_model, build_tiny_tokenizer
 
 QUESTIONS = ["What is 2 + 3?", "Tom has 7 apples and eats 2. How many are left?", "9 * 4 = ?"]
 SAMPLED = SamplingPolicy(temperature=1.0, top_p=0.9, max_new_tokens=16)
@@ -50,25 +48,7 @@ def _stop_ids(model, tokenizer, prompts) -> list[int]:
 
 def _char_tokenizer(extra_specials: list[str]) -> PreTrainedTokenizerFast:
     """Character-level chat tokenizer without the reflection markers (plus `extra_specials`)."""
-    specials = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", *extra_specials]
-    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
-    core = Tokenizer(
-        models.WordLevel(vocab={t: i for i, t in enumerate([*specials, *chars, "<|unk|>"])}, unk_token="<|unk|>")
-    )
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token="<|pad|>",
-        eos_token="<|end|>",
-        unk_token="<|unk|>",
-        additional_special_tokens=specials[2:],
-    )
-    tokenizer.chat_template = (
-        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
-    return tokenizer
+    return build_tiny_tokenizer(["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", *extra_specials])
 
 
 def _boost(model, ids: list[int], amount: float):
