@@ -73,3 +73,13 @@ def tiny_chat_model(tiny_tokenizer):
 @pytest.fixture(scope="session")
 def tiny_llama_chat_model(tiny_tokenizer):
     return build_tiny_model(tiny_tokenizer, arch="llama", seed=1), tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_chat_model):
+    """The tiny chat model saved as a Hugging Face folder, for stages that load a model from disk."""
+    model, tokenizer = tiny_chat_model
+    path = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -8,7 +8,6 @@ from redumix.generate.accounting import ForwardCounter
 from redumix.pipeline.config import load_config
 from redumix.pipeline.eval import DEFAULT_DECODERS, decode, run_eval, wilson_interval
 from redumix.pipeline.run import RunDir
-from tests.conftest import build_tiny_model, build_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
@@ -19,12 +18,8 @@ SMALL = [
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-qwen")
-    tokenizer = build_tiny_tokenizer()
-    build_tiny_model(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+def model_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 def test_wilson_interval_matches_known_values():

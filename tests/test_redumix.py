@@ -67,7 +67,7 @@ def test_mixture_topk_is_descending_and_a_subdistribution(tiny_chat_model):
         assert len(res.topk_ids) == len(res.redo_token_ids) > 0
         for ids, lps in zip(res.topk_ids, res.topk_logprobs, strict=True):
             assert len(ids) == len(lps) == 8
-            assert all(a >= b for a, b in zip(lps, lps[1:]))
+            assert all(a >= b for a, b in zip(lps, lps[1:], strict=False))
             assert math.fsum(math.exp(v) for v in lps) <= 1 + 1e-5
 
 
