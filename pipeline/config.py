@@ -153,7 +153,7 @@ def _build(cls: type, raw: Any, prefix: str, origin: dict[str, str], errors: lis
             hint = f" (did you mean {prefix + close[0]!r}?)" if close else f" (known: {', '.join(known)})"
             errors.append(f"{_where(origin, dotted)}: unknown key {dotted!r}{hint}")
     kwargs = {}
-    for name, f in known.items():
+    for name in known:
         if name not in raw:
             continue
         dotted = prefix + name
