@@ -7,7 +7,7 @@ repeated, with the median kept: the machine is shared and noisy, so absolute tim
   batched_harvest_speedup     ReDuMix examples/s at batch 16 / examples/s one at a time
   shard_bytes_per_token       shard bytes on disk / redo tokens, at k=32 (plus the KL of the stored top-k)
 
-The model is the embedded default when `runs/tiny/base` exists (`make base`), else a random Llama of its shape.
+The model is a seed-built random Llama of the embedded default's shape (bench/models.py), never what lies in runs/.
 """
 
 from __future__ import annotations
@@ -20,39 +20,26 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from redumix.data.grading import verifier_feedback
+from bench.models import describe, embedded_model, embedded_tokenizer
+from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages
 from redumix.data.shards import encode_shard, read_shard
-from redumix.data.tasks import TaskConfig, load_examples
-from redumix.generate.chat import prompt_ids
+from redumix.data.task import TaskConfig
+from redumix.data.tasks import make_task
+from redumix.generate.plain import generate_batch
 from redumix.generate.policy import SamplingPolicy
 from redumix.generate.redumix import RedumixConfig, mixture_loop, redumix_generate
-from redumix.generate.sampling import clone, generate_batch, prefill
+from redumix.generate.state import clone, prefill
 
-BASE = Path("runs/tiny/base")
 TOKENS = 48
+TASK = make_task(TaskConfig(), seed=0)
 
 
 def load() -> tuple[torch.nn.Module, object, str]:
-    if (BASE / "config.json").is_file():
-        model = AutoModelForCausalLM.from_pretrained(BASE).eval()
-        tokenizer = AutoTokenizer.from_pretrained(BASE)
-        return model, tokenizer, f"embedded default ({BASE})"
-    import sys
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.conftest import build_tiny_tokenizer
-
-    tokenizer = build_tiny_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=192, num_hidden_layers=4, num_attention_heads=6,
-                         num_key_value_heads=6, intermediate_size=512, max_position_embeddings=2048,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    return LlamaForCausalLM(config).eval(), tokenizer, "random Llama of the embedded default's shape"
+    tokenizer = embedded_tokenizer()
+    model = embedded_model(tokenizer)
+    return model, tokenizer, describe(model)
 
 
 def median_ratio(numerator: Callable[[], float], denominator: Callable[[], float], repeats: int = 5) -> float:
@@ -71,7 +58,7 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def prompts(tokenizer, n: int) -> list[list[int]]:
-    examples = load_examples(TaskConfig(), "test", n, seed=0)
+    examples = TASK.examples("test", n)
     return [prompt_ids(tokenizer, attempt_messages(e.prompt)) for e in examples]
 
 
@@ -111,7 +98,7 @@ def baseline_vs_hf_generate(model, tokenizer, batch: int) -> float:
 
 
 def batched_harvest_speedup(model, tokenizer, n: int = 16) -> float:
-    examples = load_examples(TaskConfig(), "train", n, seed=0)
+    examples = TASK.examples("train", n)
     config = RedumixConfig(reflection_max_tokens=96)
     policy = SamplingPolicy(max_new_tokens=64)
     stop = [tokenizer.eos_token_id]
@@ -120,8 +107,9 @@ def batched_harvest_speedup(model, tokenizer, n: int = 16) -> float:
         def go():
             for start in range(0, n, batch):
                 part = examples[start : start + batch]
-                redumix_generate(model, tokenizer, [e.prompt for e in part], [e.id for e in part], config, policy, stop,
-                                 lambda i, a, part=part: verifier_feedback(a, part[i].reference))
+                redumix_generate(model, tokenizer, [e.prompt for e in part], [e.id for e in part], config, policy,
+                                 0, stop,
+                                 lambda i, a, part=part: TASK.feedback(a, part[i]))
         return timed(go)
 
     return median_ratio(lambda: run(1), lambda: run(16), repeats=1)  # time at b1 / time at b16 == speedup
@@ -129,14 +117,15 @@ def batched_harvest_speedup(model, tokenizer, n: int = 16) -> float:
 
 def shard_bytes_per_token(model, tokenizer, n: int = 64) -> tuple[float, float]:
     """Bytes per redo token of a real shard at k=32, and the max KL between stored and exact top-k + tail."""
-    examples = load_examples(TaskConfig(), "train", n, seed=0)
+    examples = TASK.examples("train", n)
     config = RedumixConfig(topk=32)
     policy = SamplingPolicy(max_new_tokens=96, temperature=1.0)
     rows = []
     for start in range(0, n, 16):
         part = examples[start : start + 16]
         results = redumix_generate(model, tokenizer, [e.prompt for e in part], [e.id for e in part], config, policy,
-                                   [tokenizer.eos_token_id], lambda i, a, part=part: verifier_feedback(a, part[i].reference))
+                                   0, [tokenizer.eos_token_id],
+                                   lambda i, a, part=part: TASK.feedback(a, part[i]))
         for e, r in zip(part, results, strict=True):
             rows.append({"id": e.id, "task": e.task, "prompt": e.prompt, "reference": e.reference,
                          "original": r.original, "original_correct": None, "feedback": r.feedback,

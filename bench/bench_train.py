@@ -3,8 +3,9 @@
 Same model, same batch, same optimizer: forward in float32 (as the tiny recipe trains on CPU), the loss,
 backward, AdamW step. Only the loss differs: the sparse generalized JSD over the stored top-k + tail
 (train/loss.py) against cross-entropy on the redo tokens. The two alternate, REPEATS times each after a warm-up,
-and the medians are compared. `gkd_vs_sft_step` uses the embedded default's shape (Llama, hidden 192, 4 layers,
-vocabulary 432); `gkd_vs_sft_step_vocab32k` the same body with a 32k vocabulary, where the loss is a larger share.
+and the medians are compared. `gkd_vs_sft_step` uses the embedded default's shape (bench/models.py: Llama,
+hidden 96, 4 layers, vocabulary 768); `gkd_vs_sft_step_vocab32k` the same body with a 32k vocabulary, where the
+loss is a larger share.
 """
 
 from __future__ import annotations
@@ -14,20 +15,15 @@ import time
 
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from bench.models import embedded_model, embedded_tokenizer
 from redumix.train.loss import select_targets, sparse_gkd_loss
 
 REPEATS = 5
 TOP_K = 32
 BF16 = False  # as the tiny recipe trains: this CPU has no native bf16, autocast would be emulated
-
-
-def _model(vocab_size: int) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=192, num_hidden_layers=4, num_attention_heads=6,
-                         num_key_value_heads=6, intermediate_size=512, max_position_embeddings=1024)
-    return LlamaForCausalLM(config)
+TOKENIZER = embedded_tokenizer()
 
 
 def _batch(vocab_size: int, rows: int, prompt: int, redo: int) -> dict[str, torch.Tensor]:
@@ -41,7 +37,9 @@ def _batch(vocab_size: int, rows: int, prompt: int, redo: int) -> dict[str, torc
     return {"input_ids": input_ids, "labels": labels, "teacher_ids": ids, "teacher_logprobs": values.half().float()}
 
 
-def _step(model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], gkd: bool) -> float:
+def _step(
+    model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], gkd: bool
+) -> float:
     began = time.perf_counter()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=BF16):
         logits = model(input_ids=batch["input_ids"]).logits
@@ -58,7 +56,7 @@ def _step(model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, batch: dict
 
 def step_ratio(vocab_size: int, rows: int = 16, prompt: int = 40, redo: int = 120) -> tuple[float, float, float]:
     """(median GKD step s, median CE step s, ratio)."""
-    model = _model(vocab_size)
+    model = embedded_model(TOKENIZER, vocab_size=vocab_size).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     batch = _batch(vocab_size, rows, prompt, redo)
     for gkd in (True, False):  # warm-up: allocator, autocast caches, AdamW state
@@ -73,7 +71,7 @@ def step_ratio(vocab_size: int, rows: int = 16, prompt: int = 40, redo: int = 12
 
 def run() -> dict[str, float]:
     results = {}
-    for key, vocab, rows in (("gkd_vs_sft_step", 432, 16), ("gkd_vs_sft_step_vocab32k", 32768, 2)):
+    for key, vocab, rows in (("gkd_vs_sft_step", len(TOKENIZER), 16), ("gkd_vs_sft_step_vocab32k", 32768, 2)):
         gkd_s, ce_s, ratio = step_ratio(vocab, rows=rows)
         print(f"bench_train: vocab {vocab}, {rows}x160 tokens: GKD step {gkd_s * 1e3:.1f} ms, "
               f"CE step {ce_s * 1e3:.1f} ms, ratio {ratio:.3f}", flush=True)

@@ -5,7 +5,7 @@ A problem is a start value and 2-4 operations (`+ a`, `- a`, `* f`), told as a s
 stable hash: bucket 0 is the `test` split, bucket 1 the `train` split that the harvest reads, and buckets 2-9 are
 what `redumix base` pre-trains on. So the base never sees a held-out or harvested problem, whatever the seeds.
 
-The base's training text teaches two procedures of different reliability (DESIGN.md, "The embedded default"):
+The base's training text teaches two procedures of different reliability:
 - a terse first attempt, one line per step (`54 * 3 = 162`), some with realistic slips;
 - a long-hand check that splits tens and units (`54 * 3: 50 * 3 = 150, 4 * 3 = 12, 150 + 12 = 162`). Reflections,
   refine answers and hidden `<|reflect|>` spans use it. Checking this way is more reliable than the terse line, so
@@ -21,7 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from redumix.data.grading import verifier_feedback
+from redumix.data import grading
+from redumix.data.grading import extract_answer, verifier_feedback
 from redumix.data.prompts import (
     Message,
     attempt_messages,
@@ -30,7 +31,7 @@ from redumix.data.prompts import (
     redo_messages,
     refine_messages,
 )
-from redumix.data.tasks import Example, Split, TaskConfig
+from redumix.data.task import Example, Split, TaskConfig
 
 Op = Literal["+", "-", "*"]
 REFLECT_OPEN = "<|reflect|>"
@@ -248,7 +249,8 @@ def solution_text(lines: list[Line], checks: set[int] = frozenset()) -> str:
 def long_hand_solution(problem: Problem) -> str:
     """A whole solution done the careful way, one step per line (the PDR refine target)."""
     values = problem.values()
-    body = [f"{a} {s.op} {s.operand}: {long_hand(a, s.op, s.operand)}" for a, s in zip(values[:-1], problem.steps, strict=True)]
+    steps = zip(values[:-1], problem.steps, strict=True)
+    body = [f"{a} {s.op} {s.operand}: {long_hand(a, s.op, s.operand)}" for a, s in steps]
     return "\n".join([*body, f"The answer is {problem.answer}."])
 
 
@@ -278,14 +280,17 @@ def reflection_text(problem: Problem, attempt: list[Line]) -> str:
 
 @dataclass
 class CorpusSpec:
-    """How the base's training text is mixed. Weights are relative; rates are per episode or per line."""
+    """How the base's training text is mixed. Weights are relative; rates are per episode or per line.
+
+    These defaults are the embedded base's (`BaseConfig` takes its defaults from here): the mix it was measured with.
+    """
 
     weights: dict[str, float] = field(
-        default_factory=lambda: {"solution": 0.4, "reflection": 0.35, "critique": 0.1, "refine": 0.15}
+        default_factory=lambda: {"solution": 0.45, "reflection": 0.35, "critique": 0.05, "refine": 0.15}
     )
     slip_rate: float = 0.1  # share of trained terse solutions that contain a slip (the base stays imperfect)
-    wrong_attempt_rate: float = 0.5  # share of reflection/critique/refine attempts that contain a slip
-    noisy_feedback_rate: float = 0.15  # reflection episodes whose feedback verdict is wrong (as a self-critique can be)
+    wrong_attempt_rate: float = 0.6  # share of reflection/critique/refine attempts that contain a slip
+    noisy_feedback_rate: float = 0.15  # reflection episodes whose feedback verdict is wrong (as a critique can be)
     check_span_rate: float = 0.1  # share of terse solution lines with a hidden <|reflect|> check span
 
 
@@ -310,13 +315,10 @@ def _attempt(problem: Problem, rng: random.Random, wrong_rate: float) -> list[Li
     return _wrong_attempt(problem, rng) if rng.random() < wrong_rate else attempt_lines(problem, rng)
 
 
-def _turns(messages: list[Message], trained_roles_from: int) -> tuple[int, ...]:
-    return tuple(i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= trained_roles_from)
-
-
 def solution_episode(problem: Problem, rng: random.Random, spec: CorpusSpec) -> Episode:
     lines = _attempt(problem, rng, spec.slip_rate)
-    checks = {i for i, line in enumerate(lines) if line.result == line.right_result and rng.random() < spec.check_span_rate}
+    right = [i for i, line in enumerate(lines) if line.result == line.right_result]
+    checks = {i for i in right if rng.random() < spec.check_span_rate}
     messages = [*attempt_messages(problem.text()), {"role": "assistant", "content": solution_text(lines, checks)}]
     return Episode("solution", messages, (1,))
 
@@ -372,3 +374,30 @@ def corpus_episodes(config: TaskConfig, spec: CorpusSpec, seed: int) -> Iterator
     base_buckets = set(range(BUCKETS)) - set(SPLIT_BUCKET.values())
     for problem in problems_in_buckets(config, base_buckets, "base", seed):
         yield EPISODES[rng.choices(kinds, weights)[0]](problem, rng, spec)
+
+
+# --- the task -------------------------------------------------------------------------------------------------------
+
+
+class ArithTask:
+    """`arith` through the Task seam: generated examples, GSM8K-style grading, and the base's training episodes."""
+
+    name = "arith"
+
+    def __init__(self, config: TaskConfig, seed: int) -> None:
+        self.config = config
+        self.seed = seed
+
+    def examples(self, split: Split, n: int | None) -> list[Example]:
+        if n is None:
+            raise ValueError("task 'arith' is generated: set how many examples (harvest.n / eval.n)")
+        return arith_examples(self.config, split, n, self.seed)
+
+    # Graded as GSM8K is: the final number of a completion against the gold one.
+    answer = staticmethod(extract_answer)
+    is_correct = staticmethod(grading.grade)
+    feedback = staticmethod(grading.feedback)
+
+    def training_episodes(self, spec: CorpusSpec) -> Iterator[Episode]:
+        """The embedded base's training text: an endless stream on problems outside the test and train splits."""
+        return corpus_episodes(self.config, spec, self.seed)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+from redumix.data.task import Example
+
 _NUMBER = r"-?\$?\d[\d,]*(?:\.\d+)?"
 _HASHES = re.compile(r"####\s*(" + _NUMBER + ")")
 _ANSWER_IS = re.compile(r"[Tt]he (?:final )?answer is:?\s*\$?\\?\(?\s*(" + _NUMBER + ")")
@@ -50,3 +52,13 @@ def verifier_feedback(completion: str, reference: str) -> str:
     if is_correct(completion, reference):
         return f"Your final answer {predicted} is correct."
     return f"Your final answer {predicted} is wrong."
+
+
+def grade(completion: str, example: Example) -> bool:
+    """`is_correct` against the example's gold answer: the Task method of every GSM8K-style task."""
+    return is_correct(completion, example.reference)
+
+
+def feedback(completion: str, example: Example) -> str:
+    """`verifier_feedback` on an example: the Task method of every GSM8K-style task."""
+    return verifier_feedback(completion, example.reference)

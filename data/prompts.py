@@ -1,4 +1,4 @@
-"""The chat turns of ReDuMix. Instruction strings are the seed's (shared/seeds/redumix.txt)."""
+"""The chat turns of ReDuMix and PDR. REFLECT and REDO are the ReDuMix paper's own instruction strings."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ def attempt_messages(prompt: str) -> list[Message]:
 
 def critique_messages(prompt: str, attempt: str) -> list[Message]:
     """[x ‖ y1 ‖ CRITIQUE]: the model's own critique stands in for external feedback."""
-    return [*attempt_messages(prompt), {"role": "assistant", "content": attempt}, {"role": "user", "content": CRITIQUE}]
+    return [
+        *attempt_messages(prompt), {"role": "assistant", "content": attempt}, {"role": "user", "content": CRITIQUE},
+    ]
 
 
 def reflect_messages(prompt: str, attempt: str, feedback: str) -> list[Message]:

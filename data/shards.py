@@ -59,7 +59,9 @@ def read_shard(path: Path) -> pa.Table:
         with pa.OSFile(str(path), "rb") as f:
             table = pa.ipc.open_stream(f).read_all()
     except (pa.ArrowInvalid, OSError) as exc:
-        raise ValueError(f"{path}: not a readable Arrow shard ({exc}); delete it and rerun the harvest to redo it") from exc
+        raise ValueError(
+            f"{path}: not a readable Arrow shard ({exc}); delete it and rerun the harvest to redo it"
+        ) from exc
     missing = [c for c in COLUMNS if c not in table.column_names]
     if missing:
         raise ValueError(f"{path}: missing columns {missing}; it was not written by this version of redumix")

@@ -6,7 +6,7 @@ of every call. Each decoder reports its own per-example FPE; tests assert the tw
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -19,7 +19,6 @@ class Usage:
     generated_tokens: int = 0  # every sampled token, hidden or visible, in every call
     prefill_tokens: int = 0  # prompt positions processed (not counting cache reuse)
     fpe: int = 0  # all positions processed: prefill + decode steps, in every context
-    extra: dict[str, float] = field(default_factory=dict)
 
     def add(self, other: Usage) -> None:
         self.visible_tokens += other.visible_tokens

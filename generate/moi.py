@@ -1,11 +1,11 @@
-"""Mixture of Inputs (shared/seeds/mixture-of-inputs.txt).
+"""Mixture of Inputs (Zhuang et al., "Text Generation Beyond Discrete Token Sampling").
 
 After sampling token s from p (the policy's distribution renormalised over its top-k), the next input is not e_s
 but the posterior mean Σ_i w_i·e_i with w = (H·p + (β+1−H)·onehot(s)) / (β+1), where H is p's entropy over log k.
 A confident step (H≈0) feeds e_s as plain decoding does; an uncertain one blends in the tokens it nearly chose.
 
 The mixed embedding replaces the sampled token's embedding at the same position, so MoI costs no extra forward
-passes: its FPE equals plain decoding's. The loop mirrors `sample_loop`, feeding `inputs_embeds` instead of ids.
+passes: its FPE equals plain decoding's. It runs the shared decode loop, feeding `inputs_embeds` instead of ids.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from redumix.generate.accounting import Usage
+from redumix.data.task import Example, Task
+from redumix.generate.decoder import Decoded, Model, Tokenizer, answer_directly
+from redumix.generate.loop import Choice, Generation, decode_prompts
 from redumix.generate.policy import SamplingPolicy, policy_logprobs, sample_tokens
-from redumix.generate.sampling import Generation, forward, prefill, select
 
 
 @dataclass
@@ -80,40 +81,27 @@ def moi_generate(
     max_new_tokens: int | None = None,
 ) -> list[Generation]:
     """Decode a batch of prompts with Mixture of Inputs; same accounting as `generate_batch`."""
-    max_new_tokens = max_new_tokens or policy.max_new_tokens
     embedding = model.get_input_embeddings().weight
-    state = prefill(model, prompts, pad_id)
-    device = state.attention_mask.device
-    stop = torch.as_tensor(list(stop_ids), device=device)
-    out = [Generation([], False, 0, Usage(prefill_tokens=len(p), fpe=len(p))) for p in prompts]
-    rows = list(range(len(prompts)))  # row of `state` -> index into out
-    alive = torch.ones(len(prompts), dtype=torch.bool, device=device)
-    seeds_t = torch.as_tensor(list(seeds), device=device)
-    with torch.inference_mode():
-        for step in range(max_new_tokens):
-            tokens, inputs = moi_step(state.last_logits, embedding, policy, seeds_t, step, config)
-            stopped = torch.isin(tokens, stop) & alive
-            for row, token, is_alive in zip(rows, tokens.tolist(), alive.tolist(), strict=True):
-                if is_alive:
-                    out[row].token_ids.append(token)
-            for i in stopped.nonzero().flatten().tolist():
-                out[rows[i]].finished = True
-            alive &= ~stopped
-            if step == max_new_tokens - 1 or not alive.any():
-                break
-            # Same compaction rule as sample_loop: once a quarter of the batch is done.
-            done = int((~alive).sum())
-            if done and done * 4 >= len(rows):
-                keep = alive.nonzero().flatten()
-                state = select(state, keep)
-                rows = [rows[i] for i in keep.tolist()]
-                inputs, seeds_t = inputs[keep], seeds_t[keep]
-                alive = torch.ones(len(rows), dtype=torch.bool, device=device)
-            state = forward(model, state, alive.long()[:, None], inputs_embeds=inputs[:, None])
-            for row, is_alive in zip(rows, alive.tolist(), strict=True):
-                if is_alive:
-                    out[row].cached += 1
-                    out[row].usage.fpe += 1
-    for gen in out:
-        gen.usage.generated_tokens = gen.usage.visible_tokens = len(gen.token_ids)
-    return out
+    seeds_t = torch.as_tensor(list(seeds))
+
+    def choose(logits: torch.Tensor, live: torch.Tensor, step: int) -> Choice:
+        tokens, mixed = moi_step(logits, embedding, policy, seeds_t.to(live.device)[live], step, config)
+        return Choice(tokens, inputs_embeds=mixed)
+
+    return decode_prompts(model, prompts, choose, stop_ids, pad_id, max_new_tokens or policy.max_new_tokens)
+
+
+@dataclass
+class MoiDecoder:
+    """`moi`: plain decoding whose next input is the posterior-weighted embedding mix."""
+
+    name: str
+    config: MoiConfig
+    policy: SamplingPolicy
+    seed: int
+
+    def __call__(self, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], task: Task) -> list[Decoded]:
+        def answer(prompts, seeds, stop_ids, pad_id):
+            return moi_generate(model, prompts, self.policy, seeds, stop_ids, pad_id, self.config)
+
+        return answer_directly(answer, model, tokenizer, examples, self.seed, self.name)

@@ -1,4 +1,4 @@
-"""Parallel-Distill-Refine and Sequential Refinement (shared/seeds/parallel-distill-refine.txt).
+"""Parallel-Distill-Refine and Sequential Refinement (Madaan et al., "Rethinking Thinking Tokens").
 
 Round 1 writes N drafts per example in parallel. Each later round distills the previous drafts into a text
 workspace of at most W tokens and writes N new drafts conditioned on [question ‖ workspace]. The context a round
@@ -17,19 +17,23 @@ What differs from the paper, and why:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from redumix.data.grading import extract_answer
+from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages, distill_messages, format_workspace, refine_messages
+from redumix.data.task import Example, Task
 from redumix.generate.accounting import Usage
-from redumix.generate.chat import prompt_ids
+from redumix.generate.decoder import Decoded, Model, Tokenizer, example_seeds
+from redumix.generate.loop import Generation
+from redumix.generate.model_io import stop_token_ids
+from redumix.generate.plain import generate_batch, sample_loop
 from redumix.generate.policy import SamplingPolicy, example_seed
-from redumix.generate.sampling import Generation, generate_batch, prefill, sample_loop, select
+from redumix.generate.state import prefill, select
 
 
 @dataclass
@@ -124,9 +128,14 @@ def rank_drafts(answers: Sequence[str | None]) -> list[int]:
     return representatives + [i for i in by_votes if i not in representatives]
 
 
-def extract_workspace(tokenizer: PreTrainedTokenizerBase, drafts: Sequence[str], budget: int) -> str:
+AnswerFn = Callable[[str], str | None]  # the task's answer extraction, for voting
+
+
+def extract_workspace(
+    tokenizer: PreTrainedTokenizerBase, drafts: Sequence[str], budget: int, answer: AnswerFn
+) -> str:
     """The model-free distill: ranked distinct drafts, whole, while the workspace stays within `budget` tokens."""
-    answers = [extract_answer(d) for d in drafts]
+    answers = [answer(d) for d in drafts]
     order = [i for i in rank_drafts(answers) if drafts[i].strip()]
     chosen: list[str] = []
     for i in order:
@@ -167,7 +176,7 @@ def write_drafts(
     state = prefill(model, contexts, pad_id)
     state = select(state, [b for b in range(len(contexts)) for _ in range(drafts)])
     flat_seeds = torch.as_tensor([s for row in seeds for s in row])
-    gens, _ = sample_loop(model, state, policy, flat_seeds, stop_ids)
+    gens = sample_loop(model, state, policy, flat_seeds, stop_ids).generations
     return [gens[b * drafts : (b + 1) * drafts] for b in range(len(contexts))]
 
 
@@ -212,8 +221,12 @@ def pdr_generate(
     seeds: Sequence[int],
     stop_ids: Sequence[int],
     config: PdrConfig,
+    answer: AnswerFn,
 ) -> list[PdrResult]:
-    """PDR (N = config.drafts > 1) or SR (N = 1) over a batch of questions; one result per question."""
+    """PDR (N = config.drafts > 1) or SR (N = 1) over a batch of questions; one result per question.
+
+    `answer` reads a draft's final answer (the task's extraction): drafts vote with it.
+    """
     draft_policy = (
         policy if config.draft_temperature is None else replace(policy, temperature=config.draft_temperature)
     )
@@ -240,7 +253,7 @@ def pdr_generate(
                 PdrRound(
                     workspace=workspaces[b],
                     drafts=texts[b],
-                    answers=[extract_answer(t) for t in texts[b]],
+                    answers=[answer(t) for t in texts[b]],
                     context_tokens=len(contexts[b]),
                     draft_tokens=sampled,
                     longest_context=len(contexts[b]) + max(len(g.token_ids) for g in gens),
@@ -250,7 +263,7 @@ def pdr_generate(
             break
         # --- distill into the next round's workspace
         if config.distill == "extract":
-            workspaces = [extract_workspace(tokenizer, t, config.workspace_tokens) for t in texts]
+            workspaces = [extract_workspace(tokenizer, t, config.workspace_tokens, answer) for t in texts]
             continue
         distill_seeds = [example_seed(s, f"pdr/{round_index}/distill") for s in seeds]
         workspaces, summaries = model_distill(
@@ -270,7 +283,26 @@ def _final(gens: list[Generation], usage: Usage, rounds: list[PdrRound], stop_id
     pick = majority_draft(rounds[-1].answers)
     token_ids = gens[pick].content_ids(stop_ids)
     usage.visible_tokens = len(token_ids)
-    result = PdrResult(rounds[-1].drafts[pick], token_ids, rounds[-1].answers[pick], usage, rounds)
-    usage.extra["longest_context"] = result.longest_context
-    usage.extra["rounds"] = len(rounds)
-    return result
+    return PdrResult(rounds[-1].drafts[pick], token_ids, rounds[-1].answers[pick], usage, rounds)
+
+
+@dataclass
+class PdrDecoder:
+    """`pdr` (N drafts a round) or `sr` (one draft a round, Sequential Refinement)."""
+
+    name: str
+    config: PdrConfig
+    policy: SamplingPolicy
+    seed: int
+
+    def __call__(self, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], task: Task) -> list[Decoded]:
+        results = pdr_generate(model, tokenizer, [e.prompt for e in examples], self.policy,
+                               example_seeds(self.seed, examples, self.name), stop_token_ids(model, tokenizer),
+                               self.config, task.answer)
+        return [
+            Decoded(r.text, r.token_ids, r.usage, {
+                "tokens_per_round": r.tokens_per_round, "longest_context": r.longest_context,
+                "rounds": [asdict(x) for x in r.rounds],
+            })
+            for r in results
+        ]

@@ -2,7 +2,8 @@
 
 Sampling draws its randomness from a counter-based hash of (example seed, step, token id) instead of a stateful
 generator. A row therefore samples the same text whatever else is in its batch, on whichever rank, and after a
-resume: the harvest's crash-safety and its multi-process union both rely on that.
+resume: the harvest's crash-safety and its multi-process union both rely on that. The seed is the run's one seed
+(`Config.seed`); each example derives its own from it with `example_seed`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ class SamplingPolicy:
     temperature: float = field(default=0.0, metadata={"help": "0 decodes greedily; otherwise softmax temperature."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus mass kept before sampling (1 keeps all)."})
     top_k: int = field(default=0, metadata={"help": "Keep only the k most likely tokens (0 keeps all)."})
-    seed: int = field(default=0, metadata={"help": "Sampling seed; each example derives its own from it."})
     max_new_tokens: int = field(default=160, metadata={"help": "Most tokens generated per answer."})
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""ReDuMix (shared/seeds/redumix.txt): attempt, feedback, reflection, then decoding under a per-token mixture
+"""ReDuMix: attempt, feedback, reflection, then decoding under a per-token mixture
 of two contexts, p_mix = softmax(λ·log p(·|x, y<t) + (1−λ)·log p(·|x2, y<t)).
 
 How it differs from the seed's Algorithm 1, and why:
@@ -21,23 +21,16 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from redumix.data.chat import template_pieces
 from redumix.data.prompts import REDO, attempt_messages, critique_messages, redo_messages, reflect_messages
+from redumix.data.task import Example, Task
 from redumix.generate.accounting import Usage
-from redumix.generate.chat import template_pieces
+from redumix.generate.decoder import Decoded, Model, Tokenizer
+from redumix.generate.loop import Choice, Generation, decode_loop
+from redumix.generate.model_io import stop_token_ids
+from redumix.generate.plain import sample_loop
 from redumix.generate.policy import SamplingPolicy, example_seed, policy_logprobs, sample_tokens
-from redumix.generate.sampling import (
-    DecodeState,
-    Generation,
-    StepLog,
-    append_tokens,
-    clone,
-    extend,
-    generation_from,
-    merge,
-    prefill,
-    sample_loop,
-    select,
-)
+from redumix.generate.state import DecodeState, clone, extend, merge, prefill, select
 
 COMPRESSION_NOTE = "(earlier steps omitted) "
 
@@ -94,14 +87,14 @@ def redumix_generate(
     example_ids: Sequence[str],
     config: RedumixConfig,
     policy: SamplingPolicy,
+    seed: int,
     stop_ids: Sequence[int],
     feedback: FeedbackFn | None,
-    lam: float | None = None,
 ) -> list[RedumixResult]:
-    """Run the four ReDuMix stages on a batch of prompts. `lam` overrides config.lam (eval's λ sweep)."""
-    lam = config.lam if lam is None else lam
+    """Run the four ReDuMix stages on a batch of prompts. Each example's noise derives from `seed` and its id."""
+    lam = config.lam
     pad_id = tokenizer.pad_token_id
-    seeds = {stage: _seeds(policy.seed, example_ids, stage) for stage in ("attempt", "critique", "reflect", "redo")}
+    seeds = {stage: _seeds(seed, example_ids, stage) for stage in ("attempt", "critique", "reflect", "redo")}
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     usage = [Usage() for _ in prompts]
 
@@ -109,7 +102,8 @@ def redumix_generate(
     x_ids = [template_pieces(tokenizer, attempt_messages(p))[0] for p in prompts]
     state = prefill(model, x_ids, pad_id)
     x_context = clone(state)
-    attempts, state = sample_loop(model, state, policy, seeds["attempt"], stop_ids, keep_state=True)
+    stage1 = sample_loop(model, state, policy, seeds["attempt"], stop_ids, keep_state=True)
+    attempts, state = stage1.generations, stage1.state
     y1 = [g.content_ids(stop_ids) for g in attempts]
     y1_text = [decode(ids) for ids in y1]
     for u, x, g in zip(usage, x_ids, attempts, strict=True):
@@ -241,7 +235,8 @@ def _continue(
         already = len(ids) if cut is not None and cut[i] else gen.cached  # a cut row's y1 was re-encoded whole
         segments.append(ids[already:] + template_pieces(tokenizer, conv)[-1])
     state = extend(model, state, segments, tokenizer.pad_token_id)
-    gens, state = sample_loop(model, state, policy, seeds, stop_ids, max_new_tokens, keep_state=keep_state)
+    result = sample_loop(model, state, policy, seeds, stop_ids, max_new_tokens, keep_state=keep_state)
+    gens, state = result.generations, result.state
     for u, seg, g in zip(usage, segments, gens, strict=True):
         u.prefill_tokens += len(seg)
         u.fpe += len(seg) + g.usage.fpe
@@ -295,7 +290,6 @@ def _fit_window(
     return select(merged, [order.index(i) for i in range(len(order))]), cut
 
 
-@torch.inference_mode()
 def mixture_loop(
     model: PreTrainedModel,
     x_context: DecodeState,
@@ -311,39 +305,50 @@ def mixture_loop(
 
     Returns, per example, the generation and the top-k ids and log-probs of p_mix at every emitted token.
     """
-    max_new_tokens = max_new_tokens or policy.max_new_tokens
-    state = merge([x_context, x2_context])  # rows 0..B-1 hold x, rows B..2B-1 hold x2
-    device = state.attention_mask.device
-    stop = torch.as_tensor(list(stop_ids), device=device)
-    rows = list(range(x_context.batch_size))  # example of each live pair
-    alive = torch.ones(len(rows), dtype=torch.bool, device=device)
-    seeds = seeds.to(device)
-    emitted = StepLog()
-    for step in range(max_new_tokens):
-        half = len(rows)
-        logp = torch.log_softmax(state.last_logits, dim=-1)
+
+    def choose(logits: torch.Tensor, live: torch.Tensor, step: int) -> Choice:
+        half = logits.shape[0] // 2  # rows 0..n-1 hold x, rows n..2n-1 hold x2
+        logp = torch.log_softmax(logits, dim=-1)
         if lam == 1 or lam == 0:  # exact, so λ=1 is plain decoding from x and λ=0 from x2, bit for bit
             mix = logp[:half] if lam == 1 else logp[half:]
         else:
             mix = torch.log_softmax(lam * logp[:half] + (1 - lam) * logp[half:], dim=-1)
         top = torch.topk(mix, min(topk, mix.shape[-1]), dim=-1)
-        tokens = (
-            mix.argmax(dim=-1) if policy.greedy else sample_tokens(policy_logprobs(mix, policy), policy, seeds, step)
-        )
-        emitted.add(rows, alive, tokens, top.indices, top.values)
-        alive = alive & ~torch.isin(tokens, stop)  # not in place: the log keeps this step's mask
-        done = int((~alive).sum())
-        if step == max_new_tokens - 1 or done == len(rows):
-            break
-        if done and done * 4 >= len(rows):  # compact lazily: each compaction copies the cache
-            keep = alive.nonzero().flatten()
-            state = select(state, torch.cat([keep, keep + half]))
-            rows = [rows[i] for i in keep.tolist()]
-            tokens, seeds = tokens[keep], seeds[keep]
-            alive = torch.ones(len(rows), dtype=torch.bool, device=device)
-        state = append_tokens(model, state, torch.cat([tokens, tokens]), torch.cat([alive, alive]))
-    # Each fed token goes through both contexts: 2 FPE.
-    return [
-        (generation_from(ids, stop_ids, fpe_per_token=2), topk_ids, topk_lp)
-        for ids, topk_ids, topk_lp in emitted.per_row(x_context.batch_size)
-    ]
+        if policy.greedy:
+            tokens = mix.argmax(dim=-1)
+        else:
+            tokens = sample_tokens(policy_logprobs(mix, policy), policy, seeds.to(live.device)[live], step)
+        return Choice(tokens, (top.indices, top.values))
+
+    state = merge([x_context, x2_context])
+    result = decode_loop(model, state, choose, stop_ids, max_new_tokens or policy.max_new_tokens, contexts=2)
+    return [(gen, ids, logprobs) for gen, (ids, logprobs) in zip(result.generations, result.logged, strict=True)]
+
+
+# --- the decoder ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RedumixDecoder:
+    """The redo of ReDuMix as an eval decoder: feedback from the task's verifier, or the model's own critique."""
+
+    name: str
+    config: RedumixConfig
+    policy: SamplingPolicy
+    seed: int
+
+    def __call__(self, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], task: Task) -> list[Decoded]:
+        feedback = None
+        if self.config.feedback == "verifier":
+            feedback = lambda i, attempt: task.feedback(attempt, examples[i])  # noqa: E731
+        elif self.config.feedback == "human":
+            raise ValueError("eval runs ReDuMix with verifier or self feedback; human feedback is for the harvest")
+        results = redumix_generate(model, tokenizer, [e.prompt for e in examples], [e.id for e in examples],
+                                   self.config, self.policy, self.seed, stop_token_ids(model, tokenizer), feedback)
+        return [
+            Decoded(r.redo, r.redo_token_ids, r.usage, {
+                "original": r.original, "feedback": r.feedback, "reflection": r.reflection, "lam": r.meta["lam"],
+                "original_correct": task.is_correct(r.original, e),
+            })
+            for r, e in zip(results, examples, strict=True)
+        ]

@@ -1,4 +1,4 @@
-"""Hidden-KV Reflective Decoding (shared/seeds/reflective-decoding.txt, sections 3.2-3.9).
+"""Hidden-KV Reflective Decoding (the reflective-decoding seed paper, sections 3.2-3.9).
 
 When the next visible token is uncertain, the row pauses its visible output, appends R_START to its KV cache,
 samples hidden tokens under a reflection policy, and appends R_END; then visible decoding resumes from a cache
@@ -15,7 +15,8 @@ How it differs from the seed's pseudocode, and why:
 - When the peek says stop, its R_END *is* the main path's R_END: the branch is adopted, not recomputed. The seed's
   formula FPE = V + H(1+m_e) + N_ref(m_s+m_e) charges that append twice; here a peek-stopped reflection costs
   m_s + H_i(1+m_e), so FPE = prefill + V_fed + H(1+m_e) + N_ref·m_s. Fixed-length reflections (no peek) cost
-  m_s + H_i + m_e. Each part is in `Usage.extra` and the sum equals `ForwardCounter`'s count.
+  m_s + H_i + m_e. Each part is in the result (`hidden_tokens`, `peek_tokens`, `marker_tokens`), and the sum
+  equals `ForwardCounter`'s count.
 - A model that was trained with check spans (the embedded default) may write R_END itself (single-id markers
   only): the reflection then ends there, at the model's own choice, without a peek.
 - Δ-NLL is measured on the first visible token emitted after a reflection, under the model's own distribution
@@ -25,9 +26,7 @@ How it differs from the seed's pseudocode, and why:
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -35,9 +34,13 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from redumix.data.task import Example, Task
 from redumix.generate.accounting import Usage
+from redumix.generate.decoder import Decoded, Model, Tokenizer, attempt_prompts, example_seeds
+from redumix.generate.loop import should_compact
+from redumix.generate.model_io import stop_token_ids
 from redumix.generate.policy import SamplingPolicy, policy_logprobs, sample_tokens, uniform_noise
-from redumix.generate.sampling import DecodeState, left_pad, prefill, select
+from redumix.generate.state import DecodeState, left_pad, prefill, select
 
 GateKind = Literal["norm_entropy", "entropy", "one_minus_pmax", "margin", "topk_entropy"]
 Ablation = Literal["gate", "periodic", "random", "fixed"]
@@ -127,6 +130,8 @@ class ReflectiveResult:
     usage: Usage
     n_reflections: int = 0
     hidden_tokens: int = 0
+    peek_tokens: int = 0  # R_END positions fed as peeks (FPE only)
+    marker_tokens: int = 0  # R_START and adopted or fixed R_END positions (FPE only)
     reflection_lengths: list[int] = field(default_factory=list)
     reflection_positions: list[int] = field(default_factory=list)  # visible tokens emitted before each reflection
     uncertainty: list[float] = field(default_factory=list)  # the gate's u at every visible step
@@ -337,8 +342,6 @@ class _Row:
     fed_visible: int = 0
     peek_tokens: int = 0
     marker_tokens: int = 0
-    peak_cache: int = 0
-    finish_time: float = 0.0
     trace: list[int] = field(default_factory=list)
     result: ReflectiveResult = field(default_factory=lambda: ReflectiveResult([], "", False, Usage()))
 
@@ -385,11 +388,9 @@ def reflective_generate(
     stop = set(stop_ids)
     peeks = config.ablation != "fixed"
 
-    started = time.perf_counter()
     state = prefill(model, prompts, pad_id)
     rows = [_Row(i, int(s)) for i, s in enumerate(seeds)]
     active = list(rows)  # row i of `state` is active[i]
-    batch_peak_bytes = 0
     while active:
         seeds_t = torch.as_tensor([r.seed for r in active], device=state.attention_mask.device)
         main: list[list[int]] = [[] for _ in active]
@@ -427,7 +428,6 @@ def reflective_generate(
                     row.armed = True
                 if tokens[j] in stop or len(row.visible) >= max_new_tokens:
                     row.done, row.finished = True, tokens[j] in stop
-                    row.finish_time = time.perf_counter() - started
                 else:
                     main[i] = [tokens[j]]
                     row.fed_visible += 1
@@ -464,9 +464,6 @@ def reflective_generate(
             for i, row in enumerate(active):
                 row.trace += main[i]
         state, main_logits, peek_logits = step_with_peek(model, state, main, peek, pad_id, config.dual_path)
-        batch_peak_bytes = max(batch_peak_bytes, _cache_bytes(state))
-        for row, length in zip(active, state.lengths.tolist(), strict=True):
-            row.peak_cache = max(row.peak_cache, length)
 
         # --- peek decisions: stop rows adopt their peek, the others crop it back off
         fed = torch.as_tensor([bool(s) for s in main], device=main_logits.device)
@@ -490,20 +487,15 @@ def reflective_generate(
                 row.result.reflection_lengths.append(len(row.current))
                 row.hidden_mode, row.cooldown, row.since_reflection = False, config.cooldown, 0
 
-        # --- compact finished rows out of the batch (each compaction copies the cache, so not every step)
-        done = sum(r.done for r in active)
-        if done and (done * 4 >= len(active) or done == len(active)):
-            keep_rows = [i for i, r in enumerate(active) if not r.done]
-            if not keep_rows:
-                break
+        # --- compact finished rows out of the batch
+        keep_rows = [i for i, r in enumerate(active) if not r.done]
+        if not keep_rows:
+            break
+        if should_compact(len(active) - len(keep_rows), len(active)):
             state = select(state, keep_rows)
             active = [active[i] for i in keep_rows]
 
-    return [_finish(row, tokenizer, prompts[row.index], stop, m_s, batch_peak_bytes, config) for row in rows]
-
-
-def _cache_bytes(state: DecodeState) -> int:
-    return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in state.cache.layers)
+    return [_finish(row, tokenizer, prompts[row.index], stop, config) for row in rows]
 
 
 def _finish(
@@ -511,8 +503,6 @@ def _finish(
     tokenizer: PreTrainedTokenizerBase,
     prompt: list[int],
     stop: set[int],
-    m_s: int,
-    peak_bytes: int,
     config: ReflectiveConfig,
 ) -> ReflectiveResult:
     res = row.result
@@ -521,118 +511,40 @@ def _finish(
     res.text = tokenizer.decode(content, skip_special_tokens=True)
     res.n_reflections = len(res.reflection_positions)
     res.hidden_tokens = row.hidden_used
+    res.peek_tokens, res.marker_tokens = row.peek_tokens, row.marker_tokens
     if config.audit:
         res.audit_ids = row.trace
         res.audit_text = tokenizer.decode(row.trace, skip_special_tokens=False)
-    latency = row.finish_time or 1e-9
     res.usage = Usage(
         visible_tokens=len(row.visible),
         generated_tokens=len(row.visible) + row.hidden_used,
         prefill_tokens=len(prompt),
         fpe=len(prompt) + row.fed_visible + row.hidden_used + row.peek_tokens + row.marker_tokens,
-        extra={
-            "hidden_tokens": row.hidden_used,
-            "reflections": res.n_reflections,
-            "peek_tokens": row.peek_tokens,
-            "marker_tokens": row.marker_tokens,
-            "marker_start_len": m_s,
-            "peak_cache_tokens": row.peak_cache,
-            "batch_peak_cache_mb": peak_bytes / 2**20,
-            "latency_s": latency,
-            "tokens_per_s": len(row.visible) / latency,
-        },
     )
     return res
 
 
-# --- calibration and matched ablations ------------------------------------------------------------------------------
+# --- the decoder ----------------------------------------------------------------------------------------------------
 
 
 @dataclass
-class Calibration:
-    tau_high: float
-    tau_low: float
-    tau_stop: float
-    target_rate: float
-    simulated_rate: float  # the gate replayed on plain-decoding uncertainty traces
-    measured_rate: float  # reflections per visible token when decoding with the chosen thresholds
-    visible_tokens: int  # visible tokens of the measuring run
+class ReflectiveDecoder:
+    """`reflective` and its ablations (`reflective-periodic|random|fixed`, set by config.ablation)."""
 
+    name: str
+    config: ReflectiveConfig
+    policy: SamplingPolicy
+    seed: int
 
-def _replay_gate(traces: list[list[float]], tau_high: float, tau_low: float, cooldown: int) -> float:
-    """Reflections per visible token if the gate (hysteresis, cooldown) saw these uncertainty traces."""
-    triggers = steps = 0
-    for trace in traces:
-        armed, wait = True, 0
-        for u in trace:
-            steps += 1
-            if armed and wait == 0 and u > tau_high:
-                triggers, armed, wait = triggers + 1, False, cooldown
-            wait = max(0, wait - 1)
-            if u < tau_low:
-                armed = True
-    return triggers / max(1, steps)
-
-
-def calibrate_tau(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: list[list[int]],
-    policy: SamplingPolicy,
-    seeds: Sequence[int],
-    stop_ids: Sequence[int],
-    pad_id: int,
-    config: ReflectiveConfig,
-    target_rate: float | None = None,
-    max_new_tokens: int | None = None,
-) -> Calibration:
-    """Pick τ_high on dev prompts so that reflections start at `target_rate` per visible token (seed 3.2, 3.9).
-
-    Decodes the prompts without reflections, replays the gate over their uncertainty traces for every candidate
-    τ_high (τ_low and τ_stop keep the configured gap below it), and keeps the closest. The replay cannot see how
-    reflections change what follows, so the chosen thresholds are then run for real and that rate is reported too.
-    """
-    target = config.calibrate_rate if target_rate is None else target_rate
-    silent = dataclasses.replace(config, tau_high=math.inf, ablation="gate")
-    plain = reflective_generate(model, tokenizer, prompts, policy, seeds, stop_ids, pad_id, silent, max_new_tokens)
-    traces = [r.uncertainty for r in plain]
-    values = sorted({u for t in traces for u in t})
-    if not values:
-        raise ValueError("calibration decoded no visible tokens")
-    gap, stop_gap = config.tau_high - config.tau_low, config.tau_high - config.tau_stop
-    candidates = [values[round(q * (len(values) - 1) / 200)] for q in range(201)]
-    best = min(candidates, key=lambda t: abs(_replay_gate(traces, t, t - gap, config.cooldown) - target))
-    tuned = dataclasses.replace(config, tau_high=best, tau_low=best - gap, tau_stop=best - stop_gap, ablation="gate")
-    measured = reflective_generate(model, tokenizer, prompts, policy, seeds, stop_ids, pad_id, tuned, max_new_tokens)
-    visible = sum(len(r.token_ids) for r in measured)
-    return Calibration(
-        tau_high=best,
-        tau_low=tuned.tau_low,
-        tau_stop=tuned.tau_stop,
-        target_rate=target,
-        simulated_rate=_replay_gate(traces, best, best - gap, config.cooldown),
-        measured_rate=sum(r.n_reflections for r in measured) / max(1, visible),
-        visible_tokens=visible,
-    )
-
-
-def matched_ablations(
-    config: ReflectiveConfig, visible: int, reflections: int, hidden: int
-) -> dict[str, ReflectiveConfig]:
-    """Configs of the three ablations matched to a gated run's hidden budget (seed 4.3, H2/H3).
-
-    The gated run is summed up by its visible tokens, reflections and hidden tokens (eval keeps those per record).
-
-    periodic and random trigger as often as the gate did (same reflections per visible token) and keep the peek
-    stop; fixed keeps the gate but reflects for the gated run's mean reflection length, with no peek stop. All keep
-    B_total and L_reflect, so hidden tokens per example stay comparable; report H beside each row.
-    """
-    rate = reflections / max(1, visible)
-    mean_length = max(1, round(hidden / reflections)) if reflections else config.reflect_length
-    return {
-        "reflective-periodic": dataclasses.replace(
-            config, ablation="periodic", period=max(1, round(1 / rate)) if rate else 10**9
-        ),
-        "reflective-random": dataclasses.replace(config, ablation="random", random_rate=min(1.0, rate)),
-        "reflective-fixed": dataclasses.replace(config, ablation="fixed", reflect_length=mean_length),
-    }
+    def __call__(self, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], task: Task) -> list[Decoded]:
+        results = reflective_generate(model, tokenizer, attempt_prompts(tokenizer, examples), self.policy,
+                                      example_seeds(self.seed, examples, self.name),
+                                      stop_token_ids(model, tokenizer), tokenizer.pad_token_id, self.config)
+        return [
+            Decoded(r.text, r.token_ids, r.usage, {
+                "n_reflections": r.n_reflections, "hidden_tokens": r.hidden_tokens,
+                "delta_uncertainty": r.delta_uncertainty, "delta_nll": r.delta_nll,
+                "visible_tokens": len(r.token_ids),
+            })
+            for r in results
+        ]

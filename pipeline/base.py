@@ -25,9 +25,8 @@ import random
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -44,111 +43,22 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from redumix.data.arith import (
-    LINE,
-    REFLECT_CLOSE,
-    REFLECT_OPEN,
-    CorpusSpec,
-    Episode,
-    apply,
-    arith_examples,
-    corpus_episodes,
-)
-from redumix.data.grading import extract_answer, is_correct, verifier_feedback
+from redumix.data.arith import LINE, REFLECT_CLOSE, REFLECT_OPEN, Episode, apply
+from redumix.data.chat import ASSISTANT, CHAT_TEMPLATE, END, PAD, SPECIAL_TOKENS, SYSTEM, USER
 from redumix.data.prompts import Message, attempt_messages, critique_messages, redo_messages, reflect_messages
-from redumix.data.tasks import Example
-from redumix.pipeline.run import RunDir, atomic_write_json, atomic_write_text, log_metrics, print0, rank, read_json
-
-if TYPE_CHECKING:
-    from redumix.pipeline.config import Config
-
-PAD, END, USER, ASSISTANT, SYSTEM = "<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"
-SPECIAL_TOKENS = [PAD, END, USER, ASSISTANT, SYSTEM, REFLECT_OPEN, REFLECT_CLOSE]
-# Every turn opens and closes with a special token, and the tokenizer splits on special tokens before anything
-# else, so a conversation's ids are exactly the concatenation of its turns' ids (the decoders rely on this).
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'user' -%}" + USER + "{{ message['content'] }}" + END +
-    "{%- elif message['role'] == 'assistant' -%}" + ASSISTANT + "{{ message['content'] }}" + END +
-    "{%- elif message['role'] == 'system' -%}" + SYSTEM + "{{ message['content'] }}" + END +
-    "{%- else -%}{{ raise_exception('unknown chat role: ' + message['role']) }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}" + ASSISTANT + "{%- endif -%}"
+from redumix.data.task import Example, Task
+from redumix.data.tasks import make_task
+from redumix.pipeline.config import BaseConfig, Config
+from redumix.pipeline.run import (
+    RunDir,
+    atomic_write_json,
+    atomic_write_text,
+    barrier,
+    log_metrics,
+    print0,
+    rank,
+    read_json,
 )
-
-
-@dataclass
-class BaseConfig:
-    steps: int = field(default=3500, metadata={"help": "Optimizer steps of base pre-training (fixed, not timed)."})
-    batch_rows: int = field(default=2, metadata={"help": "Packed rows per optimizer step."})
-    seq_len: int = field(default=512, metadata={"help": "Tokens per packed row; also the model's window."})
-    vocab_size: int = field(
-        default=768,
-        metadata={"help": "Byte-level BPE vocabulary size, special tokens included. 768 makes the fixed instruction "
-                  "strings one to four tokens, so a reflection episode is ~190 tokens instead of ~345 at 432."},
-    )
-    # Narrow and many steps beats wide and few at this budget: on 2-3-step problems, width 96 for 6000 steps reached
-    # 77% and width 128 for 4000 steps 48%, while width 192 for 2400 steps reached 14% (same wall time).
-    hidden_size: int = field(default=96, metadata={"help": "Model width."})
-    layers: int = field(default=4, metadata={"help": "Transformer blocks."})
-    heads: int = field(default=4, metadata={"help": "Attention heads (hidden_size must divide by it)."})
-    intermediate_size: int = field(default=256, metadata={"help": "MLP width."})
-    lr: float = field(default=3e-3, metadata={"help": "Peak AdamW learning rate."})
-    min_lr_ratio: float = field(default=0.1, metadata={"help": "Cosine decays to lr * this."})
-    warmup_steps: int = field(default=60, metadata={"help": "Linear warmup steps."})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay on matrices."})
-    bf16: bool = field(
-        default=False,
-        metadata={"help": "bf16 autocast. Off: on this CPU (AVX-512 without BF16) a training step measured 2.8x "
-                  "slower in bf16 than in float32."},
-    )
-    threads: int = field(default=2, metadata={"help": "torch.set_num_threads while building."})
-    mix_solution: float = field(default=0.45, metadata={"help": "Weight of plain terse solutions in the corpus."})
-    mix_reflection: float = field(default=0.35, metadata={"help": "Weight of reflection episodes."})
-    mix_critique: float = field(default=0.05, metadata={"help": "Weight of self-critique episodes."})
-    mix_refine: float = field(default=0.15, metadata={"help": "Weight of PDR refine episodes."})
-    slip_rate: float = field(default=0.1, metadata={"help": "Share of trained terse solutions with a slip."})
-    wrong_attempt_rate: float = field(default=0.6, metadata={"help": "Share of episode attempts with a slip."})
-    noisy_feedback_rate: float = field(
-        default=0.15, metadata={"help": "Reflection episodes whose feedback verdict is wrong (the check overrules it)."}
-    )
-    check_span_rate: float = field(default=0.1, metadata={"help": "Share of terse lines with a hidden check span."})
-    eval_n: int = field(default=300, metadata={"help": "Held-out test problems for the base's greedy accuracy."})
-    eval_reflection: bool = field(
-        default=True, metadata={"help": "Also measure attempt -> feedback -> reflection -> x2-only redo on eval_n."}
-    )
-    eval_batch_size: int = field(default=100, metadata={"help": "Problems decoded together when measuring."})
-
-    def __post_init__(self) -> None:
-        problems = []
-        for name in ("steps", "batch_rows", "vocab_size", "hidden_size", "layers", "heads", "intermediate_size",
-                     "threads", "eval_n", "eval_batch_size"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.seq_len < 64:
-            problems.append(f"seq_len must be >= 64, got {self.seq_len}")
-        if self.vocab_size < 256 + len(SPECIAL_TOKENS):
-            problems.append(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (bytes + special tokens)")
-        if self.heads >= 1 and self.hidden_size % self.heads:
-            problems.append(f"hidden_size {self.hidden_size} must divide by heads {self.heads}")
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0 or self.weight_decay < 0:
-            problems.append("need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0, weight_decay >= 0")
-        for name in ("slip_rate", "wrong_attempt_rate", "noisy_feedback_rate", "check_span_rate"):
-            if not 0 <= getattr(self, name) <= 1:
-                problems.append(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        mix = [self.mix_solution, self.mix_reflection, self.mix_critique, self.mix_refine]
-        if min(mix) < 0 or sum(mix) <= 0:
-            problems.append(f"mix_* weights must be >= 0 with a positive sum, got {mix}")
-        if problems:
-            raise ValueError("; ".join(problems))
-
-    def corpus_spec(self) -> CorpusSpec:
-        weights = {"solution": self.mix_solution, "reflection": self.mix_reflection, "critique": self.mix_critique,
-                   "refine": self.mix_refine}
-        return CorpusSpec(weights, self.slip_rate, self.wrong_attempt_rate, self.noisy_feedback_rate,
-                          self.check_span_rate)
-
 
 # --- tokenizer ----------------------------------------------------------------------------------------------------
 
@@ -182,7 +92,9 @@ def episode_texts(episodes: list[Episode]) -> list[str]:
 # --- corpus -> packed rows ----------------------------------------------------------------------------------------
 
 
-def encode_episodes(tokenizer: PreTrainedTokenizerFast, episodes: list[Episode]) -> list[tuple[np.ndarray, np.ndarray]]:
+def encode_episodes(
+    tokenizer: PreTrainedTokenizerFast, episodes: list[Episode]
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """(ids, trained) per episode, identical to the chat template's rendering. `trained[i]` marks ids[i] as a target.
 
     Targets are the content and closing `<|end|>` of trained assistant turns, except `<|reflect|>` itself: only the
@@ -260,10 +172,14 @@ def build_rows(
 # --- model and training -------------------------------------------------------------------------------------------
 
 
-def build_model(config: BaseConfig, tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
+def build_model(
+    config: BaseConfig, tokenizer: PreTrainedTokenizerFast, seed: int, vocab_size: int | None = None
+) -> LlamaForCausalLM:
+    """The embedded default's Llama with fresh weights; `vocab_size` overrides the tokenizer's (benchmarks)."""
     torch.manual_seed(seed)
     llama = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        vocab_size=vocab_size or len(tokenizer), hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
         num_hidden_layers=config.layers, num_attention_heads=config.heads, num_key_value_heads=config.heads,
         max_position_embeddings=config.seq_len, tie_word_embeddings=True, bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
@@ -382,27 +298,27 @@ def line_accuracy(solutions: list[str]) -> float:
 
 
 def reflection_check(
-    model, tokenizer: PreTrainedTokenizerFast, examples: list[Example], attempts: list[str], feedback: str,
-    batch_size: int,
+    model, tokenizer: PreTrainedTokenizerFast, task: Task, examples: list[Example], attempts: list[str],
+    feedback: str, batch_size: int,
 ) -> dict[str, float | int]:
     """attempt -> feedback -> reflection -> redo decoded from x2 alone (greedy): does reflecting fix answers?
 
     feedback "verifier" is the answer check; "self" is the model's own critique of its attempt.
     """
     if feedback == "verifier":
-        notes = [verifier_feedback(a, e.reference) for a, e in zip(attempts, examples, strict=True)]
+        notes = [task.feedback(a, e) for a, e in zip(attempts, examples, strict=True)]
         critique_right = None
     else:
-        notes = greedy(model, tokenizer, [critique_messages(e.prompt, a) for e, a in zip(examples, attempts, strict=True)], 32,
-                       batch_size)
-        truth = [verifier_feedback(a, e.reference) for a, e in zip(attempts, examples, strict=True)]
+        critiques = [critique_messages(e.prompt, a) for e, a in zip(examples, attempts, strict=True)]
+        notes = greedy(model, tokenizer, critiques, 32, batch_size)
+        truth = [task.feedback(a, e) for a, e in zip(attempts, examples, strict=True)]
         critique_right = sum(n.strip() == t for n, t in zip(notes, truth, strict=True)) / len(examples)
     reflections = greedy(model, tokenizer, [reflect_messages(e.prompt, a, r) for e, a, r in
                                             zip(examples, attempts, notes, strict=True)], 256, batch_size)
     redos = greedy(model, tokenizer, [redo_messages(e.prompt, a, r, c) for e, a, r, c in
                                       zip(examples, attempts, notes, reflections, strict=True)], 160, batch_size)
-    before = [is_correct(a, e.reference) for a, e in zip(attempts, examples, strict=True)]
-    after = [is_correct(y, e.reference) for y, e in zip(redos, examples, strict=True)]
+    before = [task.is_correct(a, e) for a, e in zip(attempts, examples, strict=True)]
+    after = [task.is_correct(y, e) for y, e in zip(redos, examples, strict=True)]
     out = {
         "original_accuracy": round(sum(before) / len(examples), 4),
         "redo_accuracy": round(sum(after) / len(examples), 4),
@@ -414,27 +330,27 @@ def reflection_check(
     return out
 
 
-def measure(model, tokenizer: PreTrainedTokenizerFast, config: Config) -> dict:
+def measure(model, tokenizer: PreTrainedTokenizerFast, config: Config, task: Task) -> dict:
     """Greedy accuracy on held-out test problems; with eval_reflection, what reflection and check spans buy."""
     base = config.base
-    examples = arith_examples(config.task, "test", base.eval_n, config.seed)
+    examples = task.examples("test", base.eval_n)
     attempts = greedy(model, tokenizer, [attempt_messages(e.prompt) for e in examples], 160, base.eval_batch_size)
-    correct = [is_correct(a, e.reference) for a, e in zip(attempts, examples, strict=True)]
+    correct = [task.is_correct(a, e) for a, e in zip(attempts, examples, strict=True)]
     metrics: dict = {
         "n": len(examples),
         "accuracy": round(sum(correct) / len(examples), 4),
-        "no_answer": sum(extract_answer(a) is None for a in attempts),
+        "no_answer": sum(task.answer(a) is None for a in attempts),
         "line_accuracy": round(line_accuracy(attempts), 4),
     }
     if base.eval_reflection:
-        metrics["reflection_verifier"] = reflection_check(model, tokenizer, examples, attempts, "verifier",
+        metrics["reflection_verifier"] = reflection_check(model, tokenizer, task, examples, attempts, "verifier",
                                                           base.eval_batch_size)
-        metrics["reflection_self"] = reflection_check(model, tokenizer, examples, attempts, "self",
+        metrics["reflection_self"] = reflection_check(model, tokenizer, task, examples, attempts, "self",
                                                       base.eval_batch_size)
         forced = greedy(model, tokenizer, [attempt_messages(e.prompt) for e in examples], 400, base.eval_batch_size,
                         force_checks=True)
         metrics["forced_check_spans"] = {
-            "accuracy": round(sum(is_correct(a, e.reference) for a, e in zip(forced, examples, strict=True)) / len(examples), 4),
+            "accuracy": round(sum(map(task.is_correct, forced, examples)) / len(examples), 4),
             "line_accuracy": round(line_accuracy(forced), 4),
         }
     return metrics
@@ -447,11 +363,22 @@ def base_is_complete(run: RunDir) -> bool:
     return (run.base / "metrics.json").is_file()
 
 
+def training_task(config: Config) -> Task:
+    """The task whose training text builds the base; only a task with `training_episodes` (arith) has one."""
+    task = make_task(config.task, config.seed)
+    if not hasattr(task, "training_episodes"):
+        raise ValueError(
+            f"task.name={task.name!r} has no training text for the embedded base; build the base with task.name=arith "
+            "in another run folder, or set model.path to a local checkpoint"
+        )
+    return task
+
+
 def build_base(config: Config, out_dir: Path, run: RunDir | None = None) -> dict:
     """Tokenizer, corpus, model and training into `out_dir` (no metrics). Returns build statistics."""
     base = config.base
     torch.set_num_threads(base.threads)
-    episodes = corpus_episodes(config.task, base.corpus_spec(), config.seed)
+    episodes = training_task(config).training_episodes(base.corpus_spec())
     sample = list(itertools.islice(episodes, 3000))
     tokenizer = train_tokenizer(episode_texts(sample) + [CHAT_TEMPLATE], base.vocab_size)
     n_rows = base.steps * base.batch_rows
@@ -466,6 +393,15 @@ def build_base(config: Config, out_dir: Path, run: RunDir | None = None) -> dict
     atomic_write_text(out_dir / "build_config.yaml", yaml.safe_dump(
         {"seed": config.seed, "base": asdict(base), "task": asdict(config.task)}, sort_keys=False))
     return {"parameters": params, "vocab_size": len(tokenizer), **counts, **stats}
+
+
+def ensure_base(config: Config, run: RunDir) -> None:
+    """The embedded default is built on first use, by rank 0 while the others wait."""
+    if config.model.path == "base" and not base_is_complete(run):
+        if rank() == 0:
+            print0("base: the embedded default model is not built yet; building it first")
+            run_base(config, run)
+        barrier()
 
 
 def run_base(config: Config, run: RunDir) -> None:
@@ -489,7 +425,7 @@ def run_base(config: Config, run: RunDir) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
     model = AutoModelForCausalLM.from_pretrained(run.base).eval()
     tokenizer = AutoTokenizer.from_pretrained(run.base)
-    measured = measure(model, tokenizer, config)
+    measured = measure(model, tokenizer, config, training_task(config))
     metrics = {**measured, "build": build, "wall_seconds": round(time.perf_counter() - start, 1)}
     log_metrics(run, "base", **{k: v for k, v in measured.items() if not isinstance(v, dict)},
                 wall_seconds=metrics["wall_seconds"])

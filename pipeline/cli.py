@@ -1,6 +1,7 @@
 """`redumix STAGE --recipe PATH [--run-dir DIR] [key.sub=value ...]`
 
-Stages: base (build the embedded default model), harvest, train, eval, export (DPO pairs from the shards).
+Stages: base (build the embedded default model), harvest, train, eval, export (DPO pairs from the shards),
+calibrate (the reflective gate's thresholds).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ STAGES = ("base", "harvest", "train", "eval", "export", "calibrate")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="redumix", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="redumix", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("stage", choices=STAGES)
     parser.add_argument("--recipe", default="recipes/tiny.yaml", help="YAML recipe (default: recipes/tiny.yaml)")
     parser.add_argument("--run-dir", default=None, help="run folder (default: runs/<recipe name>)")
@@ -72,7 +75,7 @@ def run_stage(stage: str, config: Config, run: RunDir) -> None:
 
         run_export(config, run)
     elif stage == "calibrate":
-        from redumix.pipeline.eval import run_calibrate
+        from redumix.pipeline.calibrate import run_calibrate
 
         run_calibrate(config, run)
 

@@ -14,16 +14,19 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
 
-import yaml
 from tqdm import tqdm
 
-from redumix.data.grading import is_correct, verifier_feedback
+from redumix.data.jsonl import read_jsonl_by_id
 from redumix.data.shards import encode_shard, iter_rows, shard_name, shard_paths
-from redumix.data.tasks import Example, load_examples, read_jsonl_by_id
+from redumix.data.task import Example, Task
+from redumix.data.tasks import make_task
+from redumix.generate.model_io import load_model, stop_token_ids
+from redumix.generate.redumix import FeedbackFn, RedumixResult, redumix_generate
+from redumix.pipeline.base import ensure_base
+from redumix.pipeline.config import Config, config_to_yaml
 from redumix.pipeline.run import (
     RunDir,
     atomic_write_bytes,
@@ -39,27 +42,12 @@ from redumix.pipeline.run import (
     world_size,
 )
 
-if TYPE_CHECKING:
-    from redumix.generate.redumix import FeedbackFn, RedumixResult
-    from redumix.pipeline.config import Config
 
-
-@dataclass
-class HarvestConfig:
-    n: int = field(default=3000, metadata={"help": "Examples to harvest."})
-    split: Literal["train", "test"] = field(default="train", metadata={"help": "Task split to harvest from."})
-    batch_size: int = field(default=32, metadata={"help": "Examples decoded together."})
-    shard_rows: int = field(default=256, metadata={"help": "Rows per Arrow shard (a shard is the unit of resume)."})
-
-    def __post_init__(self) -> None:
-        problems = [f"{name} must be >= 1" for name in ("n", "batch_size", "shard_rows") if getattr(self, name) < 1]
-        if problems:
-            raise ValueError("; ".join(problems))
-
-
-def run_harvest(config: Config, run: RunDir) -> None:
+def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
+    """Harvest `task` (by default the one `config.task` names) into RUN_DIR/harvest."""
+    task = task or make_task(config.task, config.seed)
     out = run.harvest
-    fingerprint = harvest_fingerprint(config)
+    fingerprint = harvest_fingerprint(config, task)
     manifest_path = out / "manifest.json"
     if manifest_path.exists():
         _check_fingerprint(read_json(manifest_path).get("fingerprint"), fingerprint, out)
@@ -69,7 +57,7 @@ def run_harvest(config: Config, run: RunDir) -> None:
     ensure_base(config, run)
     _claim_folder(out, config, fingerprint)
 
-    examples = load_examples(config.task, config.harvest.split, config.harvest.n, config.seed)
+    examples = task.examples(config.harvest.split, config.harvest.n)
     rows_per_shard = config.harvest.shard_rows
     n_shards = math.ceil(len(examples) / rows_per_shard)
     mine = [k for k in range(n_shards) if k % world_size() == rank()]
@@ -78,7 +66,7 @@ def run_harvest(config: Config, run: RunDir) -> None:
         print0(f"harvest: resuming, {len(mine) - len(todo)} of {len(mine)} shards already on disk")
 
     if todo:
-        harvest_shards(config, run, examples, todo)
+        harvest_shards(config, run, task, examples, todo)
     barrier()
     if rank() == 0:
         manifest = summarize(config, out, n_shards, fingerprint)
@@ -87,10 +75,7 @@ def run_harvest(config: Config, run: RunDir) -> None:
         print0(format_summary(manifest))
 
 
-def harvest_shards(config: Config, run: RunDir, examples: list[Example], shards: list[int]) -> None:
-    from redumix.generate.model_io import load_model, stop_token_ids
-    from redumix.generate.redumix import redumix_generate
-
+def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Example], shards: list[int]) -> None:
     path = model_path(config.model.path, run)
     model, tokenizer = load_model(path, config.model.dtype, config.model.device, config.model.trust_remote_code)
     stop_ids = stop_token_ids(model, tokenizer)
@@ -105,10 +90,10 @@ def harvest_shards(config: Config, run: RunDir, examples: list[Example], shards:
             began = time.perf_counter()
             results = redumix_generate(
                 model, tokenizer, [e.prompt for e in batch], [e.id for e in batch], config.redumix, config.sampling,
-                stop_ids, feedback_fn(config, batch),
+                config.seed, stop_ids, feedback_fn(config, task, batch),
             )
             seconds = (time.perf_counter() - began) / len(batch)
-            rows += [make_row(e, r, config, str(path), seconds) for e, r in zip(batch, results, strict=True)]
+            rows += [make_row(e, r, config, task, str(path), seconds) for e, r in zip(batch, results, strict=True)]
             bar.update(len(batch))
             bar.set_postfix(redo_acc=f"{sum(bool(r['redo_correct']) for r in rows) / len(rows):.2f}")
         atomic_write_bytes(run.harvest / shard_name(k), encode_shard(rows))
@@ -116,17 +101,19 @@ def harvest_shards(config: Config, run: RunDir, examples: list[Example], shards:
     bar.close()
 
 
-def feedback_fn(config: Config, batch: list[Example]) -> FeedbackFn | None:
+def feedback_fn(config: Config, task: Task, batch: list[Example]) -> FeedbackFn | None:
     """r for each example: the verifier's verdict, the human's line for its id, or None (the model critiques)."""
     mode = config.redumix.feedback
     if mode == "self":
         return None
     if mode == "verifier":
-        return lambda i, attempt: verifier_feedback(attempt, batch[i].reference)
+        return lambda i, attempt: task.feedback(attempt, batch[i])
     human = _human_feedback(config.redumix.feedback_file)
     missing = [e.id for e in batch if e.id not in human]
     if missing:
-        raise ValueError(f"{config.redumix.feedback_file}: no feedback for ids {missing[:5]} (one line per example id)")
+        raise ValueError(
+            f"{config.redumix.feedback_file}: no feedback for ids {missing[:5]} (one line per example id)"
+        )
     return lambda i, attempt: human[batch[i].id]
 
 
@@ -139,7 +126,9 @@ def _human_feedback(path: str) -> dict[str, str]:
     return _HUMAN[path]
 
 
-def make_row(example: Example, result: RedumixResult, config: Config, model: str, seconds: float) -> dict:
+def make_row(
+    example: Example, result: RedumixResult, config: Config, task: Task, model: str, seconds: float
+) -> dict:
     graded = bool(example.reference)
     return {
         "id": example.id,
@@ -147,11 +136,11 @@ def make_row(example: Example, result: RedumixResult, config: Config, model: str
         "prompt": example.prompt,
         "reference": example.reference,
         "original": result.original,
-        "original_correct": is_correct(result.original, example.reference) if graded else None,
+        "original_correct": task.is_correct(result.original, example) if graded else None,
         "feedback": result.feedback,
         "reflection": result.reflection,
         "redo": result.redo,
-        "redo_correct": is_correct(result.redo, example.reference) if graded else None,
+        "redo_correct": task.is_correct(result.redo, example) if graded else None,
         "redo_token_ids": result.redo_token_ids,
         "mix_topk_ids": result.topk_ids,
         "mix_topk_logprobs": result.topk_logprobs,
@@ -159,7 +148,7 @@ def make_row(example: Example, result: RedumixResult, config: Config, model: str
         "meta": {
             **result.meta,
             "model": model,
-            "fingerprint": harvest_fingerprint(config),
+            "fingerprint": harvest_fingerprint(config, task),
             "seed": config.seed,
             "sampling": asdict(config.sampling),
             "redumix": asdict(config.redumix),
@@ -171,9 +160,10 @@ def make_row(example: Example, result: RedumixResult, config: Config, model: str
 # --- completion, fingerprints, summary ----------------------------------------------------------------------------
 
 
-def harvest_fingerprint(config: Config) -> str:
+def harvest_fingerprint(config: Config, task: Task) -> str:
     """Hash of everything that decides the rows (not batch size: rows do not depend on it)."""
     decisive = {
+        "task_name": task.name,
         "seed": config.seed,
         "model": asdict(config.model),
         "base": asdict(config.base) if config.model.path == "base" else None,
@@ -203,21 +193,10 @@ def _claim_folder(out: Path, config: Config, fingerprint: str) -> None:
             raise ValueError(f"{out} holds shards but no fingerprint.json; delete the folder to harvest again")
         else:
             atomic_write_json(marker, {"fingerprint": fingerprint})
-            atomic_write_text(out / "config.yaml", yaml.safe_dump(asdict(config), sort_keys=False))
+            atomic_write_text(out / "config.yaml", config_to_yaml(config))
     barrier()
     if rank() != 0:
         _check_fingerprint(read_json(marker).get("fingerprint"), fingerprint, out)
-
-
-def ensure_base(config: Config, run: RunDir) -> None:
-    """The embedded default is built on first use, by rank 0 while the others wait."""
-    from redumix.pipeline.base import base_is_complete, run_base
-
-    if config.model.path == "base" and not base_is_complete(run):
-        if rank() == 0:
-            print0("base: the embedded default model is not built yet; building it first")
-            run_base(config, run)
-        barrier()
 
 
 def summarize(config: Config, out: Path, n_shards: int, fingerprint: str) -> dict:

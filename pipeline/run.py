@@ -55,10 +55,6 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
 def print0(*args: Any, **kwargs: Any) -> None:
     if rank() == 0:
         print(*args, **kwargs, flush=True)

@@ -3,7 +3,7 @@
 Reads RUN_DIR/harvest, keeps the rows `train.rows` selects, holds out a hashed few percent of them, and trains with
 the sparse generalized JSD (train/loss.py) through TRL. Writes RUN_DIR/train/:
   checkpoints/checkpoint-N/  HF Trainer checkpoints (weights, optimizer, scheduler, data position, RNG)
-  adapter/                   the peft adapter (mode 'lora')
+  adapter/                   the peft adapter (train.adapter 'lora')
   merged/                    base + adapter merged, with the tokenizer: loads with plain AutoModelForCausalLM
   config.yaml                the resolved config
   metrics.json               written last: held-out KL of base and merged model, losses, counts, wall time
@@ -23,7 +23,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from transformers.trainer_utils import get_last_checkpoint
 
 from redumix.pipeline.config import Config, config_to_yaml
-from redumix.pipeline.run import RunDir, atomic_write_json, atomic_write_text, log_metrics, print0, rank, read_json
+from redumix.pipeline.run import (
+    RunDir,
+    atomic_write_json,
+    atomic_write_text,
+    log_metrics,
+    print0,
+    rank,
+    read_json,
+    world_size,
+)
 from redumix.train.data import build_examples, filter_rows, load_harvest, split_heldout
 from redumix.train.trainer import build_trainer, heldout_kl
 
@@ -64,7 +73,7 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
     model = load_model(model_path, config)
     trainer = build_trainer(
         model, tokenizer, train_examples, tc, str(checkpoints), seed=config.seed, use_cpu=use_cpu(config),
-        callbacks=[MetricsToRunLog(run), *(callbacks or [])],
+        processes=world_size(), callbacks=[MetricsToRunLog(run), *(callbacks or [])],
     )
     last = get_last_checkpoint(str(checkpoints)) if checkpoints.is_dir() else None
     if last:
@@ -80,7 +89,7 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
         return {}
     _drop_deepspeed_init()
     merged = run.train / "merged"
-    if tc.mode == "lora":
+    if tc.adapter == "lora":
         _replace_dir(saved, run.train / "adapter")
         merge_adapter(model_path, run.train / "adapter", merged, tokenizer, config)
     else:

@@ -29,7 +29,8 @@ from redumix.data.arith import (
 )
 from redumix.data.grading import extract_answer, is_correct
 from redumix.data.prompts import CRITIQUE, REDO, REFINE, REFLECT
-from redumix.data.tasks import TaskConfig, load_examples
+from redumix.data.task import TaskConfig
+from redumix.data.tasks import make_task
 
 WORDS = {"more": "+", "away": "-", "loses": "-", "sells": "-", "times": "*"}
 
@@ -59,7 +60,7 @@ def test_examples_are_seeded_and_prefix_stable():
     assert arith_examples(config, "test", 20, seed=0) == a[:20]
     assert arith_examples(config, "test", 50, seed=1) != a
     assert [e.id for e in a[:2]] == ["arith-test-000000", "arith-test-000001"]
-    assert load_examples(config, "test", 50, seed=0) == a
+    assert make_task(config, seed=0).examples("test", 50) == a
 
 
 def test_answers_are_right():
@@ -165,7 +166,7 @@ def test_corpus_episodes_use_the_pipeline_turns():
             assert is_correct(final, str(problem_answer))
         if e.kind == "critique":
             assert e.messages[2]["content"] == CRITIQUE
-            assert re.fullmatch(r"Your final answer \d+ is (correct|wrong)\.", final)
+            assert re.fullmatch(r"Your final answer -?\d+ is (correct|wrong)\.", final)
         if e.kind == "refine":
             assert e.messages[0]["content"].endswith(REFINE) and "Earlier solutions:\nSolution 1:\n" in (
                 e.messages[0]["content"]

@@ -10,13 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from redumix.data.arith import REFLECT_CLOSE, REFLECT_OPEN, CorpusSpec, corpus_episodes
+from redumix.data.chat import ASSISTANT, END, USER, prompt_ids, template_pieces
 from redumix.data.prompts import critique_messages, redo_messages, refine_messages
-from redumix.data.tasks import TaskConfig
-from redumix.generate.chat import prompt_ids, template_pieces
+from redumix.data.task import TaskConfig
 from redumix.pipeline.base import (
-    ASSISTANT,
-    END,
-    USER,
     base_is_complete,
     encode_episodes,
     episode_texts,

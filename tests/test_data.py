@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from redumix.data.grading import extract_answer, is_correct, verifier_feedback
-from redumix.data.tasks import load_gsm8k
+from redumix.data.gsm8k import load_gsm8k
 from redumix.pipeline.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]

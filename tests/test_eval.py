@@ -3,10 +3,12 @@ from pathlib import Path
 
 import pytest
 
-from redumix.data.tasks import load_examples
+from redumix.data.tasks import make_task
 from redumix.generate.accounting import ForwardCounter
-from redumix.pipeline.config import load_config
-from redumix.pipeline.eval import DEFAULT_DECODERS, decode, run_eval, wilson_interval
+from redumix.generate.model_io import load_model
+from redumix.pipeline.config import DEFAULT_DECODERS, load_config
+from redumix.pipeline.eval import DECODERS, check_decoder_names, run_eval
+from redumix.pipeline.report import wilson_interval
 from redumix.pipeline.run import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,20 +35,28 @@ def test_wilson_interval_matches_known_values():
 @pytest.mark.parametrize("decoder", DEFAULT_DECODERS)
 def test_reported_fpe_equals_forward_counter_for_every_decoder(decoder, model_dir):
     config = load_config(ROOT / "recipes" / "tiny.yaml", [f"model.path={model_dir}", *SMALL])
-    from redumix.generate.model_io import load_model
-
     model, tokenizer = load_model(model_dir)
-    examples = load_examples(config.task, "test", 3, config.seed)
+    task = make_task(config.task, config.seed)
+    examples = task.examples("test", 3)
     earlier = {}
     if decoder.startswith("reflective-"):
         earlier["reflective"] = [
             {"extra": {"visible_tokens": 6, "n_reflections": 1, "hidden_tokens": 3}} for _ in examples
         ]
+    decode = DECODERS[decoder.partition("@")[0]](config, decoder, earlier)
     with ForwardCounter(model) as counter:
-        outputs = decode(config, decoder, model, tokenizer, examples, earlier)
+        outputs = decode(model, tokenizer, examples, task)
     assert len(outputs) == 3
-    assert sum(o["fpe"] for o in outputs) == counter.tokens > 0
-    assert all(o["prefill_tokens"] > 0 for o in outputs)
+    assert sum(o.usage.fpe for o in outputs) == counter.tokens > 0
+    assert all(o.usage.prefill_tokens > 0 for o in outputs)
+
+
+def test_unknown_or_malformed_decoder_names_are_reported_together():
+    with pytest.raises(ValueError) as info:
+        check_decoder_names(["greedy", "gredy", "moi@0.5", "redumix-oracle@0.3"], DECODERS)
+    message = str(info.value)
+    assert "eval.decoders" in message and "'gredy'" in message and "'moi@0.5'" in message
+    assert "redumix-oracle@0.3" not in message
 
 
 @pytest.mark.skipif(not GSM8K.is_dir(), reason="shared GSM8K files not present")

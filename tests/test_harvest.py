@@ -76,7 +76,8 @@ def test_complete_harvest_is_skipped_and_another_config_is_refused(tmp_path, mod
 def test_killed_harvest_resumes_to_the_same_rows(tmp_path, model_dir):
     expected = comparable(harvest(tmp_path / "whole", model_dir))
     run_dir = tmp_path / "killed"
-    command = [sys.executable, "-m", "redumix.pipeline.cli", "harvest", "--recipe", str(ROOT / "recipes" / "tiny.yaml"),
+    command = [sys.executable, "-m", "redumix.pipeline.cli", "harvest",
+               "--recipe", str(ROOT / "recipes" / "tiny.yaml"),
                "--run-dir", str(run_dir), f"model.path={model_dir}", *SMALL]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120

@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
+from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages
 from redumix.generate.accounting import ForwardCounter
-from redumix.generate.chat import prompt_ids
 from redumix.generate.moi import MoiConfig, moi_generate, moi_step, moi_weights
+from redumix.generate.plain import generate_batch
 from redumix.generate.policy import SamplingPolicy
-from redumix.generate.sampling import generate_batch
 
 QUESTIONS = ["What is 2 + 3?", "Tom has 7 apples and eats 2. How many are left?", "9 * 4 = ?"]
 

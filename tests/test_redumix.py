@@ -4,27 +4,30 @@ from pathlib import Path
 import pytest
 import torch
 
-from redumix.data.grading import verifier_feedback
+from redumix.data.chat import prompt_ids, template_pieces
+from redumix.data.gsm8k import load_gsm8k
 from redumix.data.prompts import attempt_messages, redo_messages
-from redumix.data.tasks import load_gsm8k
+from redumix.data.task import Example, TaskConfig
+from redumix.data.tasks import make_task
 from redumix.generate.accounting import ForwardCounter
-from redumix.generate.chat import prompt_ids, template_pieces
 from redumix.generate.model_io import stop_token_ids
+from redumix.generate.plain import generate_batch
 from redumix.generate.policy import SamplingPolicy, example_seed
 from redumix.generate.redumix import RedumixConfig, redumix_generate
-from redumix.generate.sampling import generate_batch
 from tests.conftest import build_tiny_model
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 PROMPTS = ["What is 3 + 4?", "Tom has 12 apples and eats 5. How many are left?", "2 * 8 = ?"]
 IDS = ["a", "b", "c"]
+ARITH = make_task(TaskConfig(), seed=0)
+SEVEN = Example("seven", "arith", "What is 3 + 4?", "7")  # the verifier judges every attempt against 7
 
 
-def run(model, tokenizer, lam, policy=None, prompts=PROMPTS, ids=IDS, feedback="verifier", **config):
+def run(model, tokenizer, lam, policy=None, prompts=PROMPTS, ids=IDS, feedback="verifier", seed=0, **config):
     policy = policy or SamplingPolicy(max_new_tokens=12)
     config = RedumixConfig(lam=lam, reflection_max_tokens=10, critique_max_tokens=6, feedback=feedback, **config)
-    fb = None if feedback == "self" else (lambda i, text: verifier_feedback(text, "7"))
-    return redumix_generate(model, tokenizer, prompts, ids, config, policy, stop_token_ids(model, tokenizer), fb)
+    fb = None if feedback == "self" else (lambda i, text: ARITH.feedback(text, SEVEN))
+    return redumix_generate(model, tokenizer, prompts, ids, config, policy, seed, stop_token_ids(model, tokenizer), fb)
 
 
 def seeds_for(stage, ids=IDS, seed=0):
@@ -49,8 +52,8 @@ def test_lam_one_is_plain_decoding_from_x(tiny_chat_model):
 
 def test_lam_zero_is_plain_decoding_from_x2(tiny_chat_model):
     model, tok = tiny_chat_model
-    policy = SamplingPolicy(temperature=0.9, top_p=0.95, max_new_tokens=12, seed=3)
-    results = run(model, tok, lam=0.0, policy=policy)
+    policy = SamplingPolicy(temperature=0.9, top_p=0.95, max_new_tokens=12)
+    results = run(model, tok, lam=0.0, policy=policy, seed=3)
     x2 = []
     for p, res in zip(PROMPTS, results, strict=True):
         pieces = template_pieces(tok, redo_messages(p, res.original, res.feedback, res.reflection))
@@ -101,9 +104,9 @@ def test_reported_fpe_equals_forward_counter(tiny_chat_model, feedback):
 
 def test_rows_do_not_depend_on_their_batch(tiny_chat_model):
     model, tok = tiny_chat_model
-    policy = SamplingPolicy(temperature=1.0, max_new_tokens=12, seed=5)
-    together = run(model, tok, lam=0.5, policy=policy)
-    alone = run(model, tok, lam=0.5, policy=policy, prompts=PROMPTS[1:2], ids=IDS[1:2])
+    policy = SamplingPolicy(temperature=1.0, max_new_tokens=12)
+    together = run(model, tok, lam=0.5, policy=policy, seed=5)
+    alone = run(model, tok, lam=0.5, policy=policy, prompts=PROMPTS[1:2], ids=IDS[1:2], seed=5)
     assert together[1].redo_token_ids == alone[0].redo_token_ids
     assert together[1].reflection == alone[0].reflection
 

@@ -9,21 +9,21 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages
 from redumix.generate.accounting import ForwardCounter
-from redumix.generate.chat import prompt_ids
+from redumix.generate.plain import generate_batch
 from redumix.generate.policy import SamplingPolicy
 from redumix.generate.reflective import (
     ReflectiveConfig,
-    calibrate_tau,
-    matched_ablations,
     reflective_generate,
     resolve_markers,
     settle_peeks,
     step_with_peek,
     uncertainty,
 )
-from redumix.generate.sampling import clone, generate_batch, prefill
+from redumix.generate.reflective_tuning import calibrate_tau, matched_ablations
+from redumix.generate.state import clone, prefill
 from tests.conftest import build_tiny_model, build_tiny_tokenizer
 
 QUESTIONS = ["What is 2 + 3?", "Tom has 7 apples and eats 2. How many are left?", "9 * 4 = ?"]
@@ -176,7 +176,7 @@ def test_marker_fallbacks_reserved_then_stable_sequence(tiny_chat_model):
     assert sum(r.n_reflections for r in results) > 0
     for r in results:
         assert start_text not in r.text and plain.decode(seq.end) not in r.text
-        assert r.usage.extra["marker_tokens"] >= r.n_reflections * len(seq.start)
+        assert r.marker_tokens >= r.n_reflections * len(seq.start)
 
 
 # --- accounting -------------------------------------------------------------------------------------------------
@@ -338,9 +338,12 @@ def test_calibration_hits_its_target_and_ablations_match_the_budget(tiny_chat_mo
     prompts = _prompts(tokenizer, [f"{i} + {i + 3} = ?" for i in range(8)])
     # τ_low = τ_high: the random model's u stays near 1, so any gap would stop the gate from ever re-arming.
     config = ReflectiveConfig(tau_high=0.65, tau_low=0.65, tau_stop=0.65, cooldown=1, reflect_length=3, budget_total=6)
-    calib = calibrate_tau(
-        model, tokenizer, prompts, SAMPLED, range(8), [-1], tokenizer.pad_token_id, config, target_rate=0.1
-    )
+    pad = tokenizer.pad_token_id
+
+    def decode(settings: ReflectiveConfig) -> list:
+        return reflective_generate(model, tokenizer, prompts, SAMPLED, range(8), [-1], pad, settings)
+
+    calib = calibrate_tau(decode, config, target_rate=0.1)
     assert abs(calib.simulated_rate - 0.1) < 0.03
     assert 0 < calib.measured_rate < 0.3
     assert calib.tau_low == calib.tau_high == calib.tau_stop

@@ -2,7 +2,7 @@
 
 import torch
 
-from redumix.generate.sampling import GrowingLayer, append_tokens, clone, extend, merge, prefill, select
+from redumix.generate.state import GrowingLayer, append_tokens, clone, extend, merge, prefill, select
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
 GROWN = [[20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [30], [31, 32, 33]]

@@ -36,7 +36,9 @@ def test_export_then_dpo_two_steps(tmp_path: Path) -> None:
         use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1,
     )
     reference = tiny_model(len(tokenizer), seed=3)  # the same init: DPO's frozen reference
-    trainer = DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=dataset, processing_class=tokenizer)
+    trainer = DPOTrainer(
+        model=model, ref_model=reference, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
     trainer.train()
     assert trainer.state.global_step == 2
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())

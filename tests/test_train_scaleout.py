@@ -30,7 +30,7 @@ def test_qwen_recipe_keys_on_a_tiny_qwen2(tmp_path: Path, monkeypatch: pytest.Mo
     config = load_config(QWEN_RECIPE, [f"model.path={model_dir}", "model.dtype=float32", "train.deepspeed=",
                                        "train.max_steps=2", "train.batch_size=4", "train.grad_accum=1",
                                        "train.gradient_checkpointing=false"])
-    assert config.train.mode == "lora" and config.train.lora_rank == 16
+    assert config.train.adapter == "lora" and config.train.lora_rank == 16
     result = run_train(config, run)
     assert result["steps"] == 2
     adapter = json.loads((run.train / "adapter" / "adapter_config.json").read_text())

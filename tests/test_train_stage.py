@@ -37,7 +37,8 @@ def test_stage_trains_lora_merges_and_lowers_heldout_kl(tmp_path: Path, capsys: 
     assert lora_b and all(t.abs().sum() > 0 for t in lora_b)  # peft initialises B to zero: training moved it
     merged = AutoModelForCausalLM.from_pretrained(str(run.train / "merged"))  # plain transformers, no peft
     base = AutoModelForCausalLM.from_pretrained(str(run.base))
-    assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight, base.model.layers[0].self_attn.q_proj.weight)
+    q_proj = merged.model.layers[0].self_attn.q_proj.weight
+    assert not torch.equal(q_proj, base.model.layers[0].self_attn.q_proj.weight)
     assert (run.train / "merged" / "tokenizer_config.json").is_file()
     assert "train:" in (run.train / "config.yaml").read_text()
 
@@ -53,7 +54,7 @@ def test_stage_trains_lora_merges_and_lowers_heldout_kl(tmp_path: Path, capsys: 
 
 def test_full_finetune_writes_merged_only(tmp_path: Path) -> None:
     run = _run(tmp_path, n_rows=16)
-    run_train(load_config(None, [*FAST, "train.mode=full", "train.max_steps=2"]), run)
+    run_train(load_config(None, [*FAST, "train.adapter=full", "train.max_steps=2"]), run)
     assert not (run.train / "adapter").exists()
     AutoModelForCausalLM.from_pretrained(str(run.train / "merged"))
 
@@ -95,7 +96,7 @@ def test_gradient_accumulation_gives_the_same_step(tmp_path: Path) -> None:
         out.root.mkdir()
         (out.root / "base").symlink_to(run.base)
         (out.root / "harvest").symlink_to(run.harvest)
-        config = load_config(None, [*FAST, "train.mode=full", "train.max_steps=1", "train.bf16=false",
+        config = load_config(None, [*FAST, "train.adapter=full", "train.max_steps=1", "train.bf16=false",
                                     f"train.batch_size={batch}", f"train.grad_accum={accum}"])
         run_train(config, out)
         history = json.loads((out.train / "checkpoints" / "checkpoint-1" / "trainer_state.json").read_text())
@@ -127,3 +128,12 @@ def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     a = load_file(str(whole.train / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(broken.train / "adapter" / "adapter_model.safetensors"))
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+@pytest.mark.parametrize(("ratio", "steps", "warmup"), [(0.03, 100, 3), (0.1, 246, 25), (0.0, 50, 0)])
+def test_warmup_ratio_reaches_the_trainer_as_a_ratio(ratio: float, steps: int, warmup: int, tmp_path: Path) -> None:
+    from redumix.train.trainer import training_arguments
+
+    config = load_config(None, [f"train.warmup_ratio={ratio}"]).train
+    args = training_arguments(config, str(tmp_path), seed=0, use_cpu=True, processes=1)
+    assert args.get_warmup_steps(steps) == warmup  # ceil(ratio * steps)

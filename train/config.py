@@ -11,7 +11,9 @@ RowFilter = Literal["all", "improved", "redo_correct"]
 @dataclass
 class TrainConfig:
     # --- the loss ---
-    beta: float = field(default=0.0, metadata={"help": "Generalized JSD β: 0 forward KL(p_mix‖student), 1 reverse KL."})
+    beta: float = field(
+        default=0.0, metadata={"help": "Generalized JSD β: 0 forward KL(p_mix‖student), 1 reverse KL."}
+    )
     temperature: float = field(
         default=1.0, metadata={"help": "Distillation temperature applied to student logits and teacher log-probs."}
     )
@@ -26,7 +28,9 @@ class TrainConfig:
     heldout_max_rows: int = field(default=200, metadata={"help": "At most this many held-out rows are scored."})
     max_length: int = field(default=1024, metadata={"help": "Longest student input [x ‖ y]; the redo is cut to fit."})
     # --- what is trained ---
-    mode: Literal["lora", "full"] = field(default="lora", metadata={"help": "'lora' (peft adapter) or 'full'."})
+    adapter: Literal["lora", "full"] = field(
+        default="lora", metadata={"help": "What is trained: 'lora' (a peft adapter) or 'full' (every weight)."}
+    )
     lora_rank: int = field(default=16, metadata={"help": "LoRA rank r."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (scale = alpha / r)."})
     lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
@@ -39,7 +43,9 @@ class TrainConfig:
     lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = field(
         default="cosine", metadata={"help": "Learning-rate schedule."}
     )
-    warmup_ratio: float = field(default=0.03, metadata={"help": "Fraction of steps spent warming up."})
+    warmup_ratio: float = field(
+        default=0.03, metadata={"help": "Fraction of the optimizer steps spent warming up (ceil(ratio * steps))."}
+    )
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 disables)."})
     epochs: float = field(default=1.0, metadata={"help": "Passes over the training rows (ignored if max_steps > 0)."})
@@ -68,7 +74,8 @@ class TrainConfig:
             problems.append(f"temperature must be positive, got {self.temperature}")
         if not 0.0 <= self.heldout_fraction < 1.0:
             problems.append(f"heldout_fraction must lie in [0, 1), got {self.heldout_fraction}")
-        for name in ("max_length", "lora_rank", "lora_alpha", "batch_size", "grad_accum", "save_steps", "logging_steps"):
+        positive = ("max_length", "lora_rank", "lora_alpha", "batch_size", "grad_accum", "save_steps", "logging_steps")
+        for name in positive:
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.heldout_max_rows < 0 or self.save_total_limit < 1:

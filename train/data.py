@@ -11,9 +11,9 @@ import torch
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
+from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages
 from redumix.data.shards import load_shards
-from redumix.generate.chat import prompt_ids
 from redumix.train.config import RowFilter
 
 TEACHER_COLUMNS = ("redo_token_ids", "mix_topk_ids", "mix_topk_logprobs")

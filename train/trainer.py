@@ -16,7 +16,6 @@ from peft import LoraConfig
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
-from redumix.pipeline.run import world_size
 from redumix.train.config import TrainConfig
 from redumix.train.data import SparseTeacherCollator
 from redumix.train.loss import select_targets, sparse_gkd_loss
@@ -60,7 +59,7 @@ class SparseGKDTrainer(SFTTrainer):
 
 
 def lora_config(config: TrainConfig) -> LoraConfig | None:
-    if config.mode == "full":
+    if config.adapter == "full":
         return None
     targets: list[str] | str = config.lora_target_modules
     if targets == ["all-linear"]:
@@ -74,7 +73,7 @@ def lora_config(config: TrainConfig) -> LoraConfig | None:
     )
 
 
-def training_arguments(config: TrainConfig, output_dir: str, seed: int, use_cpu: bool) -> SFTConfig:
+def training_arguments(config: TrainConfig, output_dir: str, seed: int, use_cpu: bool, processes: int) -> SFTConfig:
     """The TRL/HF arguments of a run. Checkpoints hold weights, optimizer, scheduler, data position and RNG."""
     return SFTConfig(
         output_dir=output_dir,
@@ -83,14 +82,15 @@ def training_arguments(config: TrainConfig, output_dir: str, seed: int, use_cpu:
         gradient_accumulation_steps=config.grad_accum,
         learning_rate=config.learning_rate,
         lr_scheduler_type=config.lr_scheduler,
-        warmup_steps=config.warmup_ratio,  # a float below 1 is a ratio of the total steps
+        # transformers 5 has no warmup_ratio: a warmup_steps below 1 is the ratio, ceil(ratio * total) steps.
+        warmup_steps=config.warmup_ratio,
         weight_decay=config.weight_decay,
         max_grad_norm=config.max_grad_norm,
         num_train_epochs=config.epochs,
         max_steps=config.max_steps,
         bf16=config.bf16,
         use_cpu=use_cpu,
-        ddp_backend="gloo" if use_cpu and world_size() > 1 else None,
+        ddp_backend="gloo" if use_cpu and processes > 1 else None,
         gradient_checkpointing=config.gradient_checkpointing,
         deepspeed=config.deepspeed or None,
         save_strategy="steps",
@@ -116,16 +116,20 @@ def build_trainer(
     output_dir: str,
     seed: int,
     use_cpu: bool,
+    processes: int = 1,
     callbacks: list[TrainerCallback] | None = None,
 ) -> SparseGKDTrainer:
-    """A trainer over examples from `train.data.build_examples`; with mode 'lora' the model is wrapped by peft."""
+    """A trainer over examples from `train.data.build_examples`; with adapter 'lora' the model is wrapped by peft.
+
+    `processes` is how many ranks train together (gloo joins them on CPU).
+    """
     if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer has no pad token; set one (e.g. pad_token = eos_token) before training")
     if config.deepspeed and use_cpu:
         _skip_deepspeed_shm_build()
     return SparseGKDTrainer(
         model=model,
-        args=training_arguments(config, output_dir, seed, use_cpu),
+        args=training_arguments(config, output_dir, seed, use_cpu, processes),
         data_collator=SparseTeacherCollator(pad_token_id=tokenizer.pad_token_id),
         train_dataset=train_examples,
         processing_class=tokenizer,

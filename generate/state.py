@@ -1,11 +1,9 @@
-"""Cached, batched decoding: the primitives every decoder builds on, and the plain greedy/sampling decoder.
+"""The decode state every decoder builds on: a batch of contexts with its KV cache, and the operations on it.
 
 A `DecodeState` is a batch of contexts: a KV cache, the attention mask over it (1 = real token, 0 = padding,
 anywhere in the row) and each row's length, which is the position id of its next token. Contexts of different
 lengths share a batch through left padding; a later segment of different length per row (a feedback turn, say)
 is left-padded inside the segment, so holes in the middle of a row are normal and masked.
-
-Rows that finish are compacted out of the batch, so a long answer never makes short ones pay for its steps.
 
 The KV cache is a `DynamicCache` of `GrowingLayer`s: transformers' `DynamicLayer` appends with `torch.cat`, which
 copies the whole cache every token; a growing layer writes the new positions into spare room instead.
@@ -14,14 +12,11 @@ copies the whole cache every token; a growing layer writes the new positions int
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
-
-from redumix.generate.accounting import Usage
-from redumix.generate.policy import SamplingPolicy, policy_logprobs, sample_tokens
 
 
 @dataclass
@@ -34,17 +29,6 @@ class DecodeState:
     @property
     def batch_size(self) -> int:
         return self.attention_mask.shape[0]
-
-
-@dataclass
-class Generation:
-    token_ids: list[int]  # every sampled id, including the stop token when the row stopped on one
-    finished: bool  # stopped on a stop token (else it ran out of tokens)
-    cached: int  # how many of token_ids are already in the returned state's cache
-    usage: Usage = field(default_factory=Usage)
-
-    def content_ids(self, stop_ids: Sequence[int]) -> list[int]:
-        return self.token_ids[:-1] if self.finished and self.token_ids[-1] in stop_ids else self.token_ids
 
 
 # --- batch plumbing -----------------------------------------------------------------------------------------------
@@ -232,127 +216,3 @@ def clone(state: DecodeState) -> DecodeState:
         state.lengths.clone(),
         state.last_logits.clone(),
     )
-
-
-# --- the plain decoder --------------------------------------------------------------------------------------------
-
-
-def sample_loop(
-    model: PreTrainedModel,
-    state: DecodeState,
-    policy: SamplingPolicy,
-    seeds: torch.Tensor,
-    stop_ids: Sequence[int],
-    max_new_tokens: int | None = None,
-    banned_ids: Sequence[int] = (),
-    keep_state: bool = False,
-) -> tuple[list[Generation], DecodeState | None]:
-    """Decode every row of `state` until a stop token or `max_new_tokens`.
-
-    With keep_state, also returns the state of every row (in input order) with all sampled tokens but the last
-    one in its cache, ready to be extended by a later turn; `Generation.cached` says how many are in.
-    """
-    max_new_tokens = max_new_tokens or policy.max_new_tokens
-    device = state.attention_mask.device
-    stop = torch.as_tensor(list(stop_ids), device=device)
-    banned = torch.as_tensor(list(banned_ids), dtype=torch.long, device=device)
-    n_rows = state.batch_size
-    rows = list(range(n_rows))  # row of `state` -> index into out
-    alive = torch.ones(n_rows, dtype=torch.bool, device=device)
-    seeds = seeds.to(device)
-    retired: dict[int, DecodeState] = {}
-    emitted = StepLog()
-    for step in range(max_new_tokens):
-        logits = state.last_logits
-        if banned.numel():
-            logits = logits.index_fill(1, banned, float("-inf"))
-        if policy.greedy:
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = sample_tokens(policy_logprobs(logits, policy), policy, seeds, step)
-        emitted.add(rows, alive, tokens)
-        alive = alive & ~torch.isin(tokens, stop)  # not in place: the log keeps this step's mask
-        done = int((~alive).sum())
-        if step == max_new_tokens - 1 or done == len(rows):
-            break
-        # Compact once a quarter of the batch is done: each compaction copies the cache.
-        if done and done * 4 >= len(rows):
-            if keep_state:
-                for i in (~alive).nonzero().flatten().tolist():
-                    retired[rows[i]] = select(state, [i])
-            keep = alive.nonzero().flatten()
-            state = select(state, keep)
-            rows = [rows[i] for i in keep.tolist()]
-            tokens, seeds = tokens[keep], seeds[keep]
-            alive = torch.ones(len(rows), dtype=torch.bool, device=device)
-        state = append_tokens(model, state, tokens, alive)
-    out = [generation_from(ids, stop_ids, fpe_per_token=1) for (ids,) in emitted.per_row(n_rows)]
-    if not keep_state:
-        return out, None
-    for i, row in enumerate(rows):
-        retired[row] = select(state, [i])
-    return out, merge([retired[row] for row in range(len(out))])
-
-
-class StepLog:
-    """What a decode loop emitted per step, kept as tensors and turned into Python lists once, at the end.
-
-    Converting as it goes costs a `.tolist()` per tensor per step and a Python loop over the rows each time; the
-    loop itself only needs one number per step (how many rows are done).
-    """
-
-    def __init__(self) -> None:
-        self.rows: list[list[int]] = []
-        self.alive: list[torch.Tensor] = []
-        self.columns: list[list[torch.Tensor]] = []
-
-    def add(self, rows: list[int], alive: torch.Tensor, *columns: torch.Tensor) -> None:
-        """One step: the output index of each batch row, which rows were alive, and per-row values ([n] or [n, k])."""
-        self.rows.append(rows)
-        self.alive.append(alive)
-        self.columns.append(list(columns))
-
-    def per_row(self, n: int) -> list[tuple[list, ...]]:
-        """For each of the `n` outputs, each column's values at the steps where that output was alive."""
-        width = len(self.columns[0]) if self.columns else 0
-        out = [tuple([] for _ in range(width)) for _ in range(n)]
-        if not self.rows:
-            return out
-        flat_rows = [row for rows in self.rows for row in rows]
-        flat_alive = torch.cat(self.alive).tolist()
-        flat_columns = [torch.cat(col).tolist() for col in zip(*self.columns, strict=True)]
-        for i, (row, is_alive) in enumerate(zip(flat_rows, flat_alive, strict=True)):
-            if is_alive:
-                for lists, values in zip(out[row], flat_columns, strict=True):
-                    lists.append(values[i])
-        return out
-
-
-def generation_from(token_ids: list[int], stop_ids: Sequence[int], fpe_per_token: int) -> Generation:
-    """A finished loop's row. A row stops on its first stop token, so it finished iff its last token is one; every
-    token but the last went through the model (the loop never feeds the token it ends on)."""
-    finished = bool(token_ids) and token_ids[-1] in stop_ids
-    cached = max(len(token_ids) - 1, 0)
-    usage = Usage(fpe=fpe_per_token * cached, generated_tokens=len(token_ids), visible_tokens=len(token_ids))
-    return Generation(token_ids, finished, cached, usage)
-
-
-def generate_batch(
-    model: PreTrainedModel,
-    prompts: Sequence[Sequence[int]],
-    policy: SamplingPolicy,
-    seeds: Sequence[int],
-    stop_ids: Sequence[int],
-    pad_id: int,
-    max_new_tokens: int | None = None,
-    banned_ids: Sequence[int] = (),
-) -> list[Generation]:
-    """Plain decoding (greedy or sampled) of a batch of prompts."""
-    state = prefill(model, prompts, pad_id)
-    gens, _ = sample_loop(
-        model, state, policy, torch.as_tensor(list(seeds)), stop_ids, max_new_tokens, banned_ids=banned_ids
-    )
-    for gen, prompt in zip(gens, prompts, strict=True):
-        gen.usage.prefill_tokens = len(prompt)
-        gen.usage.fpe += len(prompt)
-    return gens

@@ -1,0 +1,52 @@
+"""`gsm8k`: grade-school math word problems read from JSON Lines (`question`, `answer` ending in `#### N`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from redumix.data import grading
+from redumix.data.grading import extract_answer
+from redumix.data.jsonl import jsonl_objects
+from redumix.data.task import Example, Split, TaskConfig
+
+
+def gold_answer(answer: str) -> str:
+    """The number after GSM8K's `####`, commas stripped (`"... #### 1,234"` -> `"1234"`)."""
+    return answer.rpartition("####")[2].strip().replace(",", "")
+
+
+def load_gsm8k(path: Path, prompt_suffix: str = "") -> list[Example]:
+    if not path.is_file():
+        raise FileNotFoundError(f"GSM8K file not found: {path} (set task.path to the folder holding {path.name})")
+    examples = []
+    for line_no, row in jsonl_objects(path):
+        if not isinstance(row, dict) or not isinstance(row.get("question"), str) or "answer" not in row:
+            raise ValueError(f"{path}:{line_no}: expected an object with 'question' and 'answer' strings")
+        examples.append(
+            Example(
+                id=f"gsm8k-{path.stem}-{line_no - 1:05d}",
+                task="gsm8k",
+                prompt=row["question"].strip() + prompt_suffix,
+                reference=gold_answer(str(row["answer"])),
+            )
+        )
+    return examples
+
+
+class Gsm8kTask:
+    name = "gsm8k"
+
+    def __init__(self, config: TaskConfig) -> None:
+        self.config = config
+        self._splits: dict[str, list[Example]] = {}  # read once per split
+
+    def examples(self, split: Split, n: int | None) -> list[Example]:
+        if split not in self._splits:
+            self._splits[split] = load_gsm8k(Path(self.config.path) / f"{split}.jsonl", self.config.prompt_suffix)
+        examples = self._splits[split]
+        return examples if n is None else examples[:n]
+
+    # Graded as GSM8K is: the final number of a completion against the gold one.
+    answer = staticmethod(extract_answer)
+    is_correct = staticmethod(grading.grade)
+    feedback = staticmethod(grading.feedback)

@@ -1,0 +1,79 @@
+"""The decoder interface: every decoder is called the same way and returns the same result type.
+
+A decoder is a dataclass holding its own settings, with a `name` and a `__call__(model, tokenizer, examples,
+task)` that returns one `Decoded` per example. Eval maps a decoder name to a decoder and calls it; nothing else
+about a decoder is known outside its own module. `fingerprint(decoder)` is derived from the decoder's settings,
+so a change to any of them invalidates the records it made.
+
+The name is also the salt of each example's sampling noise (`example_seed(seed, f"{id}/{name}")`), so two
+decoders never share their random draws.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from redumix.data.chat import prompt_ids
+from redumix.data.prompts import attempt_messages
+from redumix.data.task import Example, Task
+from redumix.generate.accounting import Usage
+from redumix.generate.loop import Generation
+from redumix.generate.model_io import stop_token_ids
+from redumix.generate.policy import example_seed
+
+
+@dataclass
+class Decoded:
+    text: str  # the answer the user sees, without the stop token
+    token_ids: list[int]  # its ids as emitted (the stop token included when it ended on one)
+    usage: Usage
+    extra: dict[str, Any] = field(default_factory=dict)  # per-decoder details, kept in eval's records
+
+
+Model = PreTrainedModel
+Tokenizer = PreTrainedTokenizerBase
+# (prompts, per-example seeds, stop ids, pad id) -> one generation per prompt: a decoder that answers x directly
+AnswerFn = Callable[[list[list[int]], list[int], list[int], int], list[Generation]]
+
+
+class Decoder(Protocol):
+    name: str
+
+    def __call__(
+        self, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], task: Task
+    ) -> list[Decoded]: ...
+
+
+def fingerprint(decoder: Decoder) -> str:
+    """A hash of the decoder's kind and every setting it holds (decoders are dataclasses)."""
+    if not dataclasses.is_dataclass(decoder):
+        raise TypeError(f"decoder {decoder!r} must be a dataclass, so that its settings decide its fingerprint")
+    settings = {"kind": type(decoder).__name__, **dataclasses.asdict(decoder)}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def attempt_prompts(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example]) -> list[list[int]]:
+    """Each example's prompt x as the model's chat template renders it, ready for the assistant's turn."""
+    return [prompt_ids(tokenizer, attempt_messages(e.prompt)) for e in examples]
+
+
+def example_seeds(seed: int, examples: Sequence[Example], name: str) -> list[int]:
+    return [example_seed(seed, f"{e.id}/{name}") for e in examples]
+
+
+def answer_directly(
+    answer: AnswerFn, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], seed: int, name: str
+) -> list[Decoded]:
+    """Run a decoder that answers each prompt x in one generation, and wrap its generations as results."""
+    stop_ids = stop_token_ids(model, tokenizer)
+    gens = answer(attempt_prompts(tokenizer, examples), example_seeds(seed, examples, name), stop_ids,
+                  tokenizer.pad_token_id)
+    return [Decoded(tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True), g.token_ids, g.usage)
+            for g in gens]

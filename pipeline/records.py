@@ -1,0 +1,86 @@
+"""Eval's resumable record store: one JSON Lines file per (checkpoint, decoder), rewritten atomically after each
+batch. A record belongs to the model and decoder settings it was made with (its `model` key); records made with
+anything else are ignored, so a rerun after a crash scores only what is missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from redumix.data.task import Example, Task
+from redumix.generate.decoder import Decoded
+from redumix.pipeline.run import atomic_write_bytes
+
+
+def model_identity(path: Path) -> str:
+    """Changes when the checkpoint is rebuilt (a retrained tuned model must not reuse old records)."""
+    parts = []
+    for f in sorted(Path(path).glob("*.safetensors")) + [Path(path) / "config.json"]:
+        stat = f.stat()
+        parts.append(f"{f.name}:{stat.st_size}:{stat.st_mtime_ns}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def records_path(folder: Path, checkpoint: str, decoder: str) -> Path:
+    return folder / f"{checkpoint}--{decoder.replace('@', '-lam')}.jsonl"
+
+
+def read_records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def make_record(
+    example: Example, out: Decoded, task: Task, decoder: str, checkpoint: str, identity: str, seconds: float
+) -> dict:
+    return {
+        "id": example.id,
+        "checkpoint": checkpoint,
+        "decoder": decoder,
+        "model": identity,
+        "prompt": example.prompt,
+        "reference": example.reference,
+        "output": out.text,
+        "answer": task.answer(out.text),
+        "correct": task.is_correct(out.text, example),
+        "tokens": out.usage.visible_tokens,
+        "fpe": out.usage.fpe,
+        "prefill_tokens": out.usage.prefill_tokens,
+        "seconds": round(seconds, 5),
+        "extra": out.extra,
+    }
+
+
+def score_resumable(
+    path: Path,
+    identity: str,
+    examples: Sequence[Example],
+    decode: Callable[[list[Example]], list[Decoded]],
+    to_record: Callable[[Example, Decoded, float], dict],
+    batch_size: int,
+    desc: str,
+) -> list[dict]:
+    """Records of `examples` in order: those already in `path` for `identity`, the rest decoded batch by batch."""
+    done = {r["id"]: r for r in read_records(path) if r.get("model") == identity}
+    todo = [e for e in examples if e.id not in done]
+    bar = tqdm(total=len(examples), initial=len(examples) - len(todo), desc=desc, unit="ex")
+    for start in range(0, len(todo), batch_size):
+        batch = todo[start : start + batch_size]
+        began = time.perf_counter()
+        outputs = decode(batch)
+        seconds = (time.perf_counter() - began) / len(batch)
+        for example, output in zip(batch, outputs, strict=True):
+            done[example.id] = to_record(example, output, seconds)
+        wanted = [done[e.id] for e in examples if e.id in done]
+        atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in wanted).encode())
+        bar.update(len(batch))
+        bar.set_postfix(acc=f"{sum(r['correct'] for r in wanted) / len(wanted):.2f}")
+    bar.close()
+    return [done[e.id] for e in examples]
