@@ -131,27 +131,31 @@ def shard_bytes_per_token(model, tokenizer, n: int = 64) -> tuple[float, float]:
                          "original": r.original, "original_correct": None, "feedback": r.feedback,
                          "reflection": r.reflection, "redo": r.redo, "redo_correct": None,
                          "redo_token_ids": r.redo_token_ids, "mix_topk_ids": r.topk_ids,
-                         "mix_topk_logprobs": r.topk_logprobs, "lam": 0.5, "meta": r.meta})
+                         "mix_topk_logprobs": r.topk_logprobs, "mix_tail_logprob": r.tail_logprobs,
+                         "lam": 0.5, "meta": r.meta})
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "shard-00000.arrow"
         path.write_bytes(encode_shard(rows))
         size = path.stat().st_size
-        stored = read_shard(path).column("mix_topk_logprobs").to_pylist()
+        table = read_shard(path)
+        stored = zip(table.column("mix_topk_logprobs").to_pylist(), table.column("mix_tail_logprob").to_pylist(),
+                     strict=True)
     tokens = sum(len(r["redo_token_ids"]) for r in rows)
     worst = 0.0
-    for row, back in zip(rows, stored, strict=True):
-        for exact, approx in zip(row["mix_topk_logprobs"], back, strict=True):
-            worst = max(worst, _kl_with_tail(exact, approx))
+    for row, (topk_back, tail_back) in zip(rows, stored, strict=True):
+        steps = zip(row["mix_topk_logprobs"], row["mix_tail_logprob"], topk_back, tail_back, strict=True)
+        for exact, exact_tail, approx, approx_tail in steps:
+            worst = max(worst, _kl_with_tail(exact, exact_tail, approx, approx_tail))
     return size / tokens, worst
 
 
-def _kl_with_tail(exact: list[float], approx: list[float]) -> float:
-    """KL(exact ‖ stored) over the top-k entries plus the tail bucket that holds the rest of the mass."""
-    p = [math.exp(v) for v in exact]
-    q = [math.exp(v) for v in approx]
-    p.append(max(1e-12, 1 - math.fsum(p)))
-    q.append(max(1e-12, 1 - math.fsum(q)))
-    return math.fsum(a * math.log(a / b) for a, b in zip(p, q, strict=True) if a > 0)
+def _kl_with_tail(exact: list[float], exact_tail: float, approx: list[float], approx_tail: float) -> float:
+    """KL(exact ‖ stored) over the top-k entries plus the tail bucket, the stored side renormalised as the loss
+    renormalises it. `exact` is p_mix in float32 with its float64-summed tail; `approx` is what the shard holds."""
+    p = [math.exp(v) for v in exact] + [math.exp(exact_tail)]
+    q = [math.exp(v) for v in approx] + [math.exp(approx_tail)]
+    q_total = math.fsum(q)
+    return math.fsum(a * math.log(a * q_total / b) for a, b in zip(p, q, strict=True) if a > 0)
 
 
 def run() -> dict[str, float | str]:

@@ -72,6 +72,7 @@ class RedumixResult:
     redo_token_ids: list[int]  # every sampled id of y, the stop token included when it ended on one
     topk_ids: list[list[int]]  # per redo token: top-k ids of p_mix, most likely first
     topk_logprobs: list[list[float]]  # their log p_mix
+    tail_logprobs: list[float]  # per redo token: log of p_mix's mass outside the top-k (-inf if k covers V)
     usage: Usage
     meta: dict = field(default_factory=dict)
 
@@ -166,7 +167,7 @@ def redumix_generate(
     redo = mixture_loop(model, x_context, state, lam, config.topk, policy, seeds["redo"], stop_ids)
 
     results = []
-    for i, (gen, topk_ids, topk_lp) in enumerate(redo):
+    for i, (gen, topk_ids, topk_lp, tail_lp) in enumerate(redo):
         usage[i].fpe += gen.usage.fpe
         usage[i].generated_tokens = sum(len(g.token_ids) for g in (attempts[i], reflections[i], gen))
         usage[i].visible_tokens = len(gen.token_ids)
@@ -181,6 +182,7 @@ def redumix_generate(
                 redo_token_ids=gen.token_ids,
                 topk_ids=topk_ids,
                 topk_logprobs=topk_lp,
+                tail_logprobs=tail_lp,
                 usage=usage[i],
                 meta={
                     "lam": lam,
@@ -300,10 +302,12 @@ def mixture_loop(
     seeds: torch.Tensor,
     stop_ids: Sequence[int],
     max_new_tokens: int | None = None,
-) -> list[tuple[Generation, list[list[int]], list[list[float]]]]:
+) -> list[tuple[Generation, list[list[int]], list[list[float]], list[float]]]:
     """Decode B examples from the mixture of their two contexts, one batched forward of 2B rows per token.
 
-    Returns, per example, the generation and the top-k ids and log-probs of p_mix at every emitted token.
+    Returns, per example, the generation and, at every emitted token, the top-k ids and log-probs of p_mix and
+    the log of its mass outside the top-k. That tail is a logsumexp over the other ids in float64, not 1 − Σp:
+    the difference cancels when the top-k holds nearly all the mass.
     """
 
     def choose(logits: torch.Tensor, live: torch.Tensor, step: int) -> Choice:
@@ -314,15 +318,16 @@ def mixture_loop(
         else:
             mix = torch.log_softmax(lam * logp[:half] + (1 - lam) * logp[half:], dim=-1)
         top = torch.topk(mix, min(topk, mix.shape[-1]), dim=-1)
+        tail = torch.logsumexp(mix.double().scatter(-1, top.indices, float("-inf")), dim=-1).float()
         if policy.greedy:
             tokens = mix.argmax(dim=-1)
         else:
             tokens = sample_tokens(policy_logprobs(mix, policy), policy, seeds.to(live.device)[live], step)
-        return Choice(tokens, (top.indices, top.values))
+        return Choice(tokens, (top.indices, top.values, tail))
 
     state = merge([x_context, x2_context])
     result = decode_loop(model, state, choose, stop_ids, max_new_tokens or policy.max_new_tokens, contexts=2)
-    return [(gen, ids, logprobs) for gen, (ids, logprobs) in zip(result.generations, result.logged, strict=True)]
+    return [(gen, *logged) for gen, logged in zip(result.generations, result.logged, strict=True)]
 
 
 # --- the decoder ----------------------------------------------------------------------------------------------------

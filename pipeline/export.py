@@ -14,6 +14,7 @@ from typing import Any
 from redumix.data.prompts import attempt_messages
 from redumix.data.shards import load_shards
 from redumix.pipeline.config import Config
+from redumix.pipeline.harvest import check_harvest
 from redumix.pipeline.run import RunDir, atomic_write_json, atomic_write_text, print0, rank, read_json
 
 
@@ -39,6 +40,7 @@ def run_export(config: Config, run: RunDir) -> dict[str, Any]:
         return read_json(manifest)
     if rank() != 0:
         return {}
+    check_harvest(run.harvest)
     rows = load_shards(run.harvest)
     pairs = dpo_pairs(rows)
     atomic_write_text(out / "dpo.jsonl", "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs))

@@ -20,7 +20,15 @@ from pathlib import Path
 from tqdm import tqdm
 
 from redumix.data.jsonl import read_jsonl_by_id
-from redumix.data.shards import encode_shard, iter_rows, shard_name, shard_paths
+from redumix.data.shards import (
+    bad_shards,
+    encode_shard,
+    iter_rows,
+    readable_rows,
+    shard_name,
+    shard_paths,
+    shard_record,
+)
 from redumix.data.task import Example, Task
 from redumix.data.tasks import make_task
 from redumix.generate.model_io import load_model, stop_token_ids
@@ -49,17 +57,29 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
     out = run.harvest
     fingerprint = harvest_fingerprint(config, task)
     manifest_path = out / "manifest.json"
-    if manifest_path.exists():
-        _check_fingerprint(read_json(manifest_path).get("fingerprint"), fingerprint, out)
-        print0(f"harvest: complete ({manifest_path}), skipping. Delete {out} to harvest again.")
-        return
     init_distributed()
+    if manifest_path.exists():
+        manifest = read_json(manifest_path)
+        _check_fingerprint(manifest.get("fingerprint"), fingerprint, out)
+        bad = bad_shards(out, manifest.get("shard_files", {}))
+        if not bad:
+            print0(f"harvest: complete ({manifest_path}), skipping. Delete {out} to harvest again.")
+            return
+        print0(f"harvest: {', '.join(bad)} no longer match manifest.json; redoing those shards only")
+        if rank() == 0:
+            for name in bad:
+                (out / name).unlink(missing_ok=True)
+            manifest_path.unlink()
+        barrier()
     ensure_base(config, run)
     _claim_folder(out, config, fingerprint)
 
     examples = task.examples(config.harvest.split, config.harvest.n)
     rows_per_shard = config.harvest.shard_rows
     n_shards = math.ceil(len(examples) / rows_per_shard)
+    if rank() == 0:
+        _drop_broken_shards(out, n_shards, len(examples), rows_per_shard)
+    barrier()
     mine = [k for k in range(n_shards) if k % world_size() == rank()]
     todo = [k for k in mine if not (out / shard_name(k)).exists()]
     if len(todo) < len(mine):
@@ -73,6 +93,20 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
         atomic_write_json(manifest_path, manifest)  # last: its presence means the stage is complete
         log_metrics(run, "harvest", **{k: v for k, v in manifest.items() if isinstance(v, (int, float))})
         print0(format_summary(manifest))
+
+
+def _drop_broken_shards(out: Path, n_shards: int, n_examples: int, rows_per_shard: int) -> None:
+    """Delete shards on disk that do not read whole with the rows they must hold, so the resume redoes them.
+
+    A shard appears atomically, so this finds only damage done after it was written (a disk fault, a copy cut
+    short); a complete harvest is checked against its manifest's checksums instead.
+    """
+    for k in range(n_shards):
+        path = out / shard_name(k)
+        expected = min(rows_per_shard, n_examples - k * rows_per_shard)
+        if path.exists() and readable_rows(path) != expected:
+            print0(f"harvest: {path.name} is damaged (does not read as {expected} rows); redoing it")
+            path.unlink()
 
 
 def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Example], shards: list[int]) -> None:
@@ -144,6 +178,7 @@ def make_row(
         "redo_token_ids": result.redo_token_ids,
         "mix_topk_ids": result.topk_ids,
         "mix_topk_logprobs": result.topk_logprobs,
+        "mix_tail_logprob": result.tail_logprobs,
         "lam": result.meta["lam"],
         "meta": {
             **result.meta,
@@ -199,6 +234,19 @@ def _claim_folder(out: Path, config: Config, fingerprint: str) -> None:
         _check_fingerprint(read_json(marker).get("fingerprint"), fingerprint, out)
 
 
+def check_harvest(folder: Path) -> None:
+    """A complete harvest whose shards still match their manifest, or an error that says what to do."""
+    manifest_path = Path(folder) / "manifest.json"
+    if not manifest_path.exists():
+        raise FileNotFoundError(f"{folder}: no complete harvest (no manifest.json); run `redumix harvest` first")
+    bad = bad_shards(folder, read_json(manifest_path).get("shard_files", {}))
+    if bad:
+        raise ValueError(
+            f"{folder}: {', '.join(bad)} no longer match manifest.json (truncated, corrupt or changed after the "
+            "harvest wrote them); run `redumix harvest` again, which redoes those shards only"
+        )
+
+
 def summarize(config: Config, out: Path, n_shards: int, fingerprint: str) -> dict:
     paths = [out / shard_name(k) for k in range(n_shards)]
     missing = [p.name for p in paths if not p.exists()]
@@ -222,6 +270,7 @@ def summarize(config: Config, out: Path, n_shards: int, fingerprint: str) -> dic
         "fingerprint": fingerprint,
         "rows": n,
         "shards": [p.name for p in paths],
+        "shard_files": {p.name: shard_record(p) for p in paths},  # rows and SHA-256: train and reruns check them
         "shard_bytes": sum(p.stat().st_size for p in paths),
         "graded": graded,
         "original_accuracy": original_right / max(graded, 1),

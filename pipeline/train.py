@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from transformers.trainer_utils import get_last_checkpoint
 
 from redumix.pipeline.config import Config, config_to_yaml
+from redumix.pipeline.harvest import check_harvest
 from redumix.pipeline.run import (
     RunDir,
     atomic_write_json,
@@ -51,6 +52,7 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
     tokenizer = load_tokenizer(model_path, config.model.trust_remote_code)
 
     # --- rows -> examples -----------------------------------------------------------------------------------------
+    check_harvest(run.harvest)
     harvested = load_harvest(run.harvest)
     rows = filter_rows(harvested, tc.rows)
     train_rows, held_rows = split_heldout(rows, tc.heldout_fraction)

@@ -73,6 +73,34 @@ def test_complete_harvest_is_skipped_and_another_config_is_refused(tmp_path, mod
         harvest(tmp_path, model_dir, "redumix.lam=0.7")
 
 
+def test_a_truncated_shard_is_named_and_only_it_is_redone(tmp_path, model_dir):
+    """A finished harvest loses the second half of shard-00003.arrow: train and export name it, and the harvest
+    rerun redoes that shard alone, back to the same rows."""
+    from redumix.pipeline.export import run_export
+    from redumix.pipeline.train import run_train
+
+    expected = comparable(harvest(tmp_path, model_dir))
+    folder = tmp_path / "harvest"
+    damaged = folder / "shard-00003.arrow"
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    others = {p.name: p.stat().st_mtime_ns for p in shard_paths(folder) if p != damaged}
+    config = load_config(ROOT / "recipes" / "tiny.yaml", [f"model.path={model_dir}", *SMALL])
+    for stage in (run_train, run_export):
+        with pytest.raises(ValueError, match=r"shard-00003\.arrow.*run `redumix harvest` again"):
+            stage(config, RunDir(tmp_path))
+    assert comparable(harvest(tmp_path, model_dir)) == expected
+    assert others == {p.name: p.stat().st_mtime_ns for p in shard_paths(folder) if p != damaged}
+
+
+def test_a_damaged_shard_of_an_unfinished_harvest_is_redone(tmp_path, model_dir):
+    expected = comparable(harvest(tmp_path, model_dir))
+    folder = tmp_path / "harvest"
+    (folder / "manifest.json").unlink()  # as if the run had died before it finished
+    damaged = folder / "shard-00001.arrow"
+    damaged.write_bytes(damaged.read_bytes()[:-40])
+    assert comparable(harvest(tmp_path, model_dir)) == expected
+
+
 def test_killed_harvest_resumes_to_the_same_rows(tmp_path, model_dir):
     expected = comparable(harvest(tmp_path / "whole", model_dir))
     run_dir = tmp_path / "killed"

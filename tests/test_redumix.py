@@ -131,3 +131,23 @@ def test_runs_on_real_gsm8k_prompts(tiny_chat_model):
     examples = load_gsm8k(GSM8K)[:4]
     results = run(model, tok, lam=0.5, prompts=[e.prompt for e in examples], ids=[e.id for e in examples])
     assert len(results) == 4 and all(r.redo_token_ids for r in results)
+
+
+def test_stored_tail_is_the_mass_outside_the_topk(tiny_chat_model):
+    """At the first redo token, tail = log Σ_{i ∉ top-k} p_mix(i), computed here by hand from the two contexts."""
+    model, tok = tiny_chat_model
+    lam, k = 0.4, 6
+    [res] = run(model, tok, lam=lam, prompts=PROMPTS[:1], ids=IDS[:1], topk=k)
+    assert len(res.tail_logprobs) == len(res.redo_token_ids)
+    x = prompt_ids(tok, attempt_messages(PROMPTS[0]))
+    pieces = template_pieces(tok, redo_messages(PROMPTS[0], res.original, res.feedback, res.reflection))
+    x2 = pieces[0] + res.original_ids + pieces[1] + res.reflection_ids + pieces[2]
+    with torch.no_grad():
+        lp1 = torch.log_softmax(model(torch.tensor([x])).logits[0, -1].double(), -1)
+        lp2 = torch.log_softmax(model(torch.tensor([x2])).logits[0, -1].double(), -1)
+    mix = torch.log_softmax(lam * lp1 + (1 - lam) * lp2, -1)
+    outside = torch.ones_like(mix, dtype=torch.bool)
+    outside[torch.tensor(res.topk_ids[0])] = False
+    assert res.tail_logprobs[0] == pytest.approx(float(torch.logsumexp(mix[outside], 0)), abs=1e-4)
+    total = math.fsum(math.exp(v) for v in res.topk_logprobs[0]) + math.exp(res.tail_logprobs[0])
+    assert total == pytest.approx(1.0, abs=1e-5)

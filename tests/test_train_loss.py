@@ -96,3 +96,38 @@ def test_select_targets_shifts() -> None:
     selected, tokens = select_targets(logits, labels)
     assert tokens.tolist() == [2, 1, 0]
     assert torch.equal(selected, torch.stack([logits[0, 1], logits[0, 2], logits[1, 0]]))
+
+
+def _reverse_kl_float64(student_logits: torch.Tensor, teacher_probs: torch.Tensor, ids: torch.Tensor) -> float:
+    """KL(student ‖ teacher) over [top-k ids, tail] from the exact distributions, in float64."""
+    q = torch.softmax(student_logits.double(), dim=-1)
+    q_top, p_top = q.gather(-1, ids), teacher_probs.gather(-1, ids)
+    q_b = torch.cat([q_top, 1 - q_top.sum(-1, keepdim=True)], -1)
+    p_b = torch.cat([p_top, teacher_probs.sum(-1, keepdim=True) - p_top.sum(-1, keepdim=True)], -1)
+    return float((q_b * (q_b / p_b).log()).sum(-1).mean())
+
+
+@pytest.mark.parametrize("tail", [1e-4, 1e-6, 1.5e-7, 1e-8])
+def test_reverse_kl_with_the_stored_tail_matches_float64(tail: float) -> None:
+    """Stored as the harvest stores it (float16 top-k, float32 log tail summed in float64), β=1 is exact to 1e-4."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, k, rows = 64, 8, 16
+    top = torch.rand(rows, k, generator=gen, dtype=torch.float64) + 0.1
+    top = top / top.sum(-1, keepdim=True) * (1 - tail)
+    rest = torch.rand(rows, vocab - k, generator=gen, dtype=torch.float64)
+    rest = rest / rest.sum(-1, keepdim=True) * tail
+    teacher = torch.cat([top, rest], -1)  # ids 0..k-1 are the top-k
+    ids = torch.arange(k).expand(rows, k)
+    values, order = teacher.gather(-1, ids).log().sort(-1, descending=True)
+    ids = ids.gather(-1, order)
+    stored_topk = values.half().float()
+    stored_tail = torch.logsumexp(teacher.log().scatter(-1, ids, float("-inf")), -1).float()
+    student = torch.randn(rows, vocab, generator=gen)
+
+    exact = _reverse_kl_float64(student, teacher, ids)
+    ours = sparse_gkd_loss(student, ids, stored_topk, beta=1.0, tail_logprob=stored_tail).item()
+    assert ours == pytest.approx(exact, rel=1e-4)
+    # The fallback (1 − Σ exp(float16)) is what the stored tail replaces: far off once the tail is small.
+    if tail <= 1.5e-7:
+        fallback = sparse_gkd_loss(student, ids, stored_topk, beta=1.0).item()
+        assert abs(fallback - exact) / exact > 1e-3

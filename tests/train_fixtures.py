@@ -10,7 +10,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from redumix.data.shards import encode_shard, shard_name
+from redumix.data.shards import encode_shard, shard_name, shard_paths, shard_record
 
 SPECIALS = ["<pad>", "<eos>", "<unk>", "<|user|>", "<|assistant|>"]
 CHARS = list(" \n0123456789+-*=.,?!:#abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
@@ -66,13 +66,14 @@ def write_harvest(folder: Path, n_rows: int = 48, k: int = 8, length: int = 24, 
     rows = []
     for i in range(n_rows):
         token = int(torch.randint(first_char, vocab, (1,), generator=gen))
-        ids, topk_ids, topk_lps = [], [], []
+        ids, topk_ids, topk_lps, tails = [], [], [], []
         for _ in range(length):
             top = torch.topk(log_p[token], k)
             nxt = int(torch.multinomial(log_p[token].exp(), 1, generator=gen))
             ids.append(nxt)
             topk_ids.append(top.indices.tolist())
             topk_lps.append(top.values.half().tolist())
+            tails.append(float(torch.logsumexp(log_p[token].double().scatter(0, top.indices, float("-inf")), 0)))
             token = nxt
         original_correct = i % 3 == 0
         redo_correct = i % 2 == 0
@@ -81,8 +82,14 @@ def write_harvest(folder: Path, n_rows: int = 48, k: int = 8, length: int = 24, 
             "original": "12", "original_correct": original_correct, "feedback": "The answer is wrong.",
             "reflection": "Recheck.", "redo": tokenizer.decode(ids), "redo_correct": redo_correct,
             "redo_token_ids": ids, "mix_topk_ids": topk_ids, "mix_topk_logprobs": topk_lps, "lam": 0.5,
+            "mix_tail_logprob": tails,
             "meta": json.dumps({"fixture": True}),
         })
     folder.mkdir(parents=True, exist_ok=True)
     for shard, start in enumerate(range(0, n_rows, shard_rows)):
         (folder / shard_name(shard)).write_bytes(encode_shard(rows[start : start + shard_rows]))
+    # The completion marker the harvest writes last: train and export check the shards against it.
+    paths = shard_paths(folder)
+    records = {p.name: shard_record(p) for p in paths}
+    manifest = {"rows": n_rows, "shards": [p.name for p in paths], "shard_files": records}
+    (folder / "manifest.json").write_text(json.dumps(manifest))

@@ -16,7 +16,7 @@ from redumix.data.prompts import attempt_messages
 from redumix.data.shards import load_shards
 from redumix.train.config import RowFilter
 
-TEACHER_COLUMNS = ("redo_token_ids", "mix_topk_ids", "mix_topk_logprobs")
+TEACHER_COLUMNS = ("redo_token_ids", "mix_topk_ids", "mix_topk_logprobs", "mix_tail_logprob")
 
 
 def load_harvest(folder: Path) -> Dataset:
@@ -52,21 +52,26 @@ def build_examples(rows: Dataset, tokenizer: PreTrainedTokenizerBase, max_length
     Rows whose prompt alone fills max_length, or whose redo is empty, are dropped (there is nothing to learn).
     """
 
+    has_tail = "mix_tail_logprob" in rows.column_names  # absent in shards of earlier versions
+
     def encode(row: dict[str, Any]) -> dict[str, Any]:
         prompt = prompt_ids(tokenizer, attempt_messages(row["prompt"]))
         keep = max(0, min(len(row["redo_token_ids"]), max_length - len(prompt)))
         for column in TEACHER_COLUMNS:
-            if len(row[column]) != len(row["redo_token_ids"]):
+            if column in row and len(row[column]) != len(row["redo_token_ids"]):
                 raise ValueError(
                     f"harvest row {row['id']!r}: {column} has {len(row[column])} entries but redo_token_ids has "
                     f"{len(row['redo_token_ids'])}; the shard is corrupt, delete it and rerun `redumix harvest`"
                 )
-        return {
+        example = {
             "input_ids": prompt + list(row["redo_token_ids"][:keep]),
             "prompt_length": len(prompt),
             "teacher_ids": row["mix_topk_ids"][:keep],
             "teacher_logprobs": row["mix_topk_logprobs"][:keep],
         }
+        if has_tail:
+            example["teacher_tail"] = row["mix_tail_logprob"][:keep]
+        return example
 
     keep_columns = {"id"}
     examples = rows.map(encode, remove_columns=[c for c in rows.column_names if c not in keep_columns])
@@ -77,7 +82,8 @@ def build_examples(rows: Dataset, tokenizer: PreTrainedTokenizerBase, max_length
 class SparseTeacherCollator:
     """Pads a batch on the right. labels are the unshifted HF kind (-100 on prompt and padding); the teacher tensors
     are (B, T, k) over each row's T target tokens, with teacher_mask (B, T) marking real ones. A top-k shorter than
-    the batch's k is padded with -inf log-probs, which the loss reads as "no such bucket".
+    the batch's k is padded with -inf log-probs, which the loss reads as "no such bucket". With the stored tail,
+    teacher_tail (B, T) holds each target token's log tail mass.
     """
 
     pad_token_id: int
@@ -93,6 +99,8 @@ class SparseTeacherCollator:
         teacher_ids = torch.zeros((batch, targets, k), dtype=torch.long)
         teacher_logprobs = torch.full((batch, targets, k), float("-inf"), dtype=torch.float32)
         teacher_mask = torch.zeros((batch, targets), dtype=torch.bool)
+        with_tail = all("teacher_tail" in f for f in features)
+        teacher_tail = torch.zeros((batch, targets), dtype=torch.float32)
         for b, f in enumerate(features):
             ids = torch.as_tensor(f["input_ids"], dtype=torch.long)
             n, p = len(ids), f["prompt_length"]
@@ -100,6 +108,8 @@ class SparseTeacherCollator:
             attention_mask[b, :n] = 1
             labels[b, p:n] = ids[p:]
             teacher_mask[b, : n - p] = True
+            if with_tail:
+                teacher_tail[b, : n - p] = torch.as_tensor(f["teacher_tail"], dtype=torch.float32)
             try:  # the usual case: every step has the same k, one tensor per row
                 step_ids = torch.tensor(f["teacher_ids"], dtype=torch.long)
                 step_logprobs = torch.tensor(f["teacher_logprobs"], dtype=torch.float32)
@@ -109,7 +119,7 @@ class SparseTeacherCollator:
                 for t, (ids_t, logprobs_t) in enumerate(zip(f["teacher_ids"], f["teacher_logprobs"], strict=True)):
                     teacher_ids[b, t, : len(ids_t)] = torch.as_tensor(ids_t, dtype=torch.long)
                     teacher_logprobs[b, t, : len(logprobs_t)] = torch.as_tensor(logprobs_t, dtype=torch.float32)
-        return {
+        out = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "labels": labels,
@@ -117,3 +127,6 @@ class SparseTeacherCollator:
             "teacher_logprobs": teacher_logprobs,
             "teacher_mask": teacher_mask,
         }
+        if with_tail:
+            out["teacher_tail"] = teacher_tail
+        return out

@@ -2,7 +2,9 @@
 
 TRL's `generalized_jsd_loss` needs the teacher's full logits. The harvest stores only the top-k of p_mix, so the
 divergence here is taken over k+1 buckets: the k stored ids, and a tail that holds the teacher's leftover mass
-(1 − Σ exp(top-k log-probs)) against the student's mass outside those ids. Nothing of the stored distribution is
+against the student's mass outside those ids. The harvest stores that leftover exactly (`mix_tail_logprob`, the
+log of the mass outside the top-k, summed in float64); shards from before it fall back to 1 − Σ exp(top-k), which
+float16 log-probs make imprecise when the tail is small. Nothing of the stored distribution is
 lost, and with k equal to the vocabulary the tail is empty and the loss equals TRL's (tests/test_train_loss.py).
 
 Conventions follow TRL: β=0 is KL(teacher‖student) (forward KL, the seed's cross-entropy under the mixture up to a
@@ -25,18 +27,25 @@ TEACHER_LOG_FLOOR = math.log(1e-12)
 
 
 def sparse_teacher_buckets(
-    topk_logprobs: torch.Tensor, temperature: float = 1.0, full_support: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor,
+    temperature: float = 1.0,
+    full_support: torch.Tensor | None = None,
+    tail_logprob: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Teacher log-probs over k+1 buckets (top-k, tail), tempered and renormalised. Slots at -inf are padding.
 
     topk_logprobs: (N, k) float; full_support: (N,) bool, rows whose top-k covers the whole vocabulary, where the
-    tail is empty whatever rounding left over. Returns (N, k+1) float32.
+    tail is empty whatever rounding left over; tail_logprob: (N,) the stored log tail mass (else 1 − Σp is used).
+    Returns (N, k+1) float32.
     """
     logprobs = topk_logprobs.float()
     valid = torch.isfinite(logprobs)
     kept = torch.where(valid, logprobs.clamp_min(TEACHER_LOG_FLOOR), EMPTY_LOG)
-    covered = torch.where(valid, logprobs.exp(), 0.0).sum(-1, keepdim=True)
-    tail = torch.log((1.0 - covered).clamp_min(math.exp(TEACHER_LOG_FLOOR)))
+    if tail_logprob is None:
+        covered = torch.where(valid, logprobs.exp(), 0.0).sum(-1, keepdim=True)
+        tail = torch.log((1.0 - covered).clamp_min(math.exp(TEACHER_LOG_FLOOR)))
+    else:
+        tail = tail_logprob.float().unsqueeze(-1).clamp_min(TEACHER_LOG_FLOOR)
     if full_support is not None:
         tail = tail.masked_fill(full_support.unsqueeze(-1), EMPTY_LOG)
     buckets = torch.cat([kept, tail], dim=-1) / temperature
@@ -125,17 +134,19 @@ def sparse_gkd_loss(
     beta: float = 0.0,
     temperature: float = 1.0,
     num_items_in_batch: torch.Tensor | int | None = None,
+    tail_logprob: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum of the per-token divergence over the N target tokens, divided by num_items_in_batch (else N).
 
     student_logits: (N, V), the logits that predict each target token (prompt and padding already dropped).
     topk_ids / topk_logprobs: (N, k), the stored top-k of p_mix at the same tokens; -inf log-probs mark padding.
+    tail_logprob: (N,), the stored log mass outside the top-k (None for shards that predate it).
     Dividing by the count of target tokens in the whole accumulated batch (what HF Trainer passes as
     num_items_in_batch) makes the gradient the same whatever the gradient-accumulation split.
     """
     valid = torch.isfinite(topk_logprobs)
     student_log, full_support = sparse_student_buckets(student_logits, topk_ids, valid, temperature)
-    teacher_log = sparse_teacher_buckets(topk_logprobs, temperature, full_support)
+    teacher_log = sparse_teacher_buckets(topk_logprobs, temperature, full_support, tail_logprob)
     total = generalized_jsd(student_log, teacher_log, beta).sum()
     count = student_logits.shape[0] if num_items_in_batch is None else num_items_in_batch
     if isinstance(count, torch.Tensor):

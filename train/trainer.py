@@ -50,6 +50,7 @@ class SparseGKDTrainer(SFTTrainer):
             beta=self.beta,
             temperature=self.temperature,
             num_items_in_batch=num_items_in_batch,
+            tail_logprob=inputs["teacher_tail"][mask] if "teacher_tail" in inputs else None,
         )
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             # num_items_in_batch is then the count over all ranks, and DDP/DeepSpeed average the gradients over
@@ -166,7 +167,9 @@ def heldout_kl(model: PreTrainedModel, examples: Dataset, pad_token_id: int, bat
         student, _ = select_targets(logits, batch["labels"])
         mask = batch["teacher_mask"]
         n = student.shape[0]
-        total += float(sparse_gkd_loss(student, batch["teacher_ids"][mask], batch["teacher_logprobs"][mask])) * n
+        tail = batch["teacher_tail"][mask] if "teacher_tail" in batch else None
+        loss = sparse_gkd_loss(student, batch["teacher_ids"][mask], batch["teacher_logprobs"][mask], tail_logprob=tail)
+        total += float(loss) * n
         count += n
     model.train(was_training)
     return total / max(count, 1)
