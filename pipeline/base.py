@@ -12,16 +12,17 @@ What it does, top to bottom:
 4. Measures greedy accuracy on held-out `test` problems and, with `base.eval_reflection`, what reflection buys:
    attempt -> verifier feedback -> reflection -> redo decoded from x2 alone.
 
-Files appear atomically: the model is built in a temporary folder renamed to `base/`, and `base/metrics.json`,
-the completion marker, is written last. If `base/` holds a model but no metrics (a crash during evaluation),
-the rerun evaluates that model instead of training again.
+Files appear atomically: the model is built in `.base.partial/` and renamed to `base/`, and `base/metrics.json`,
+the completion marker, is written last. Every `base.checkpoint_steps` the build saves its weights, optimizer state
+and step in `.base.partial/checkpoint/` (the tokenizer is saved first, and the packed rows are a pure function of
+it and the seed), so a rerun after a crash resumes from there and ends with the same weights as an unbroken run.
+If `base/` holds a model but no metrics (a crash during evaluation), the rerun evaluates that model.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import random
 import re
 import shutil
 import time
@@ -31,6 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
+from safetensors.torch import load_model as load_safetensors_model
+from safetensors.torch import save_model as save_safetensors_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import (
@@ -200,8 +203,13 @@ def lr_at(step: int, config: BaseConfig) -> float:
 
 def train_model(
     model: LlamaForCausalLM, rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], config: BaseConfig,
-    run: RunDir | None,
+    run: RunDir | None, checkpoint: Path | None = None,
 ) -> dict[str, float]:
+    """Train for config.steps, resuming from `checkpoint` when it holds a saved step, and saving there as it goes.
+
+    Step s reads packed rows [s·batch_rows, (s+1)·batch_rows), and nothing else is random, so a resumed run
+    takes exactly the steps an unbroken one would.
+    """
     input_ids, labels, positions = rows
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -209,9 +217,14 @@ def train_model(
         [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=config.lr, betas=(0.9, 0.95),
     )
+    first, tokens, ema, elapsed_before = 0, 0, None, 0.0
+    if checkpoint is not None and (checkpoint / "state.json").is_file():
+        first, tokens, ema, elapsed_before = load_checkpoint(checkpoint, model, optimizer)
+        print0(f"base: resuming from step {first} of {config.steps} ({checkpoint})")
     model.train()
-    start, tokens, ema = time.perf_counter(), 0, None
-    bar = tqdm(range(config.steps), desc="base", disable=rank() != 0, mininterval=2.0)
+    start = time.perf_counter() - elapsed_before
+    bar = tqdm(range(first, config.steps), desc="base", disable=rank() != 0, mininterval=2.0, initial=first,
+               total=config.steps)
     for step in bar:
         lo = step * config.batch_rows
         x, y, pos = (t[lo : lo + config.batch_rows] for t in (input_ids, labels, positions))
@@ -230,10 +243,40 @@ def train_model(
         if run is not None and (step % 100 == 0 or step == config.steps - 1):
             log_metrics(run, "base", step=step, loss=round(ema, 4), lr=lr_at(step, config),
                         tokens_per_s=round(tokens / elapsed))
+        if checkpoint is not None and (step + 1) % config.checkpoint_steps == 0 and step + 1 < config.steps:
+            save_checkpoint(checkpoint, model, optimizer, step + 1, tokens, ema, elapsed)
     model.eval()
     elapsed = time.perf_counter() - start
     return {"train_seconds": round(elapsed, 1), "steps_per_s": round(config.steps / elapsed, 2),
             "tokens_per_s": round(tokens / elapsed), "final_loss": round(ema, 4)}
+
+
+def save_checkpoint(
+    folder: Path, model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, step: int, tokens: int, ema: float,
+    elapsed: float,
+) -> None:
+    """Weights (safetensors), optimizer state and counters, written beside the folder and swapped in whole."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_safetensors_model(model, str(tmp / "model.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")  # tensors and numbers only: loads with weights_only
+    atomic_write_json(tmp / "state.json", {"step": step, "tokens": tokens, "ema": ema, "elapsed": elapsed})
+    old = folder.with_name(folder.name + ".old")
+    if folder.exists():
+        folder.rename(old)
+    tmp.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(
+    folder: Path, model: LlamaForCausalLM, optimizer: torch.optim.Optimizer
+) -> tuple[int, int, float, float]:
+    """Restore a `save_checkpoint` folder; returns (next step, tokens seen, loss EMA, seconds spent)."""
+    load_safetensors_model(model, str(folder / "model.safetensors"))
+    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+    state = read_json(folder / "state.json")
+    return state["step"], state["tokens"], state["ema"], state["elapsed"]
 
 
 # --- measuring ----------------------------------------------------------------------------------------------------
@@ -375,24 +418,38 @@ def training_task(config: Config) -> Task:
 
 
 def build_base(config: Config, out_dir: Path, run: RunDir | None = None) -> dict:
-    """Tokenizer, corpus, model and training into `out_dir` (no metrics). Returns build statistics."""
+    """Tokenizer, corpus, model and training into `out_dir` (no metrics). Returns build statistics.
+
+    Resumes a build that `out_dir` holds from an earlier run of the same settings (its tokenizer and checkpoint).
+    """
     base = config.base
     torch.set_num_threads(base.threads)
+    settings = yaml.safe_dump({"seed": config.seed, "base": asdict(base), "task": asdict(config.task)},
+                              sort_keys=False)
     episodes = training_task(config).training_episodes(base.corpus_spec())
     sample = list(itertools.islice(episodes, 3000))
-    tokenizer = train_tokenizer(episode_texts(sample) + [CHAT_TEMPLATE], base.vocab_size)
+    if (out_dir / "tokenizer.json").is_file() and _read_text(out_dir / "build_config.yaml") == settings:
+        tokenizer = AutoTokenizer.from_pretrained(out_dir)  # the one this build trained before it stopped
+    else:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        out_dir.mkdir(parents=True)
+        tokenizer = train_tokenizer(episode_texts(sample) + [CHAT_TEMPLATE], base.vocab_size)
+        tokenizer.save_pretrained(out_dir)
+        atomic_write_text(out_dir / "build_config.yaml", settings)
     n_rows = base.steps * base.batch_rows
     *rows, counts = build_rows(tokenizer, itertools.chain(sample, episodes), n_rows, base.seq_len)
     model = build_model(base, tokenizer, config.seed)
     params = sum(p.numel() for p in model.parameters())
     print0(f"base: {params / 1e6:.2f}M parameters, vocab {len(tokenizer)}, {counts['episodes']} episodes packed "
            f"into {n_rows} rows of {base.seq_len} ({(rows[1] != -100).float().mean():.0%} of tokens trained)")
-    stats = train_model(model, rows, base, run)
+    stats = train_model(model, rows, base, run, checkpoint=out_dir / "checkpoint")
     model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    atomic_write_text(out_dir / "build_config.yaml", yaml.safe_dump(
-        {"seed": config.seed, "base": asdict(base), "task": asdict(config.task)}, sort_keys=False))
+    shutil.rmtree(out_dir / "checkpoint", ignore_errors=True)
     return {"parameters": params, "vocab_size": len(tokenizer), **counts, **stats}
+
+
+def _read_text(path: Path) -> str | None:
+    return path.read_text() if path.is_file() else None
 
 
 def ensure_base(config: Config, run: RunDir) -> None:
@@ -414,15 +471,12 @@ def run_base(config: Config, run: RunDir) -> None:
         print0(f"base: {run.base} holds a trained model without metrics; evaluating it")
         build = read_json(run.base / "build.json")
     else:
+        # Kept across a crash: the next run resumes the build from its checkpoint.
+        partial = run.root / ".base.partial"
         shutil.rmtree(run.base, ignore_errors=True)
-        tmp = run.root / f".base.tmp-{random.randrange(1 << 32):08x}"
-        tmp.mkdir(parents=True)
-        try:
-            build = build_base(config, tmp, run)
-            atomic_write_json(tmp / "build.json", build)
-            tmp.rename(run.base)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        build = build_base(config, partial, run)
+        atomic_write_json(partial / "build.json", build)
+        partial.rename(run.base)
     model = AutoModelForCausalLM.from_pretrained(run.base).eval()
     tokenizer = AutoTokenizer.from_pretrained(run.base)
     measured = measure(model, tokenizer, config, training_task(config))

@@ -73,6 +73,10 @@ class BaseConfig:
                   "slower in bf16 than in float32."},
     )
     threads: int = field(default=2, metadata={"help": "torch.set_num_threads while building."})
+    checkpoint_steps: int = field(
+        default=250,
+        metadata={"help": "Save weights, optimizer and step every this many steps; a rerun resumes from the last."},
+    )
     mix_solution: float = field(
         default=_CORPUS.weights["solution"],
         metadata={"help": "Weight of plain terse solutions in the corpus."}
@@ -111,7 +115,7 @@ class BaseConfig:
     def __post_init__(self) -> None:
         problems = []
         for name in ("steps", "batch_rows", "vocab_size", "hidden_size", "layers", "heads", "intermediate_size",
-                     "threads", "eval_n", "eval_batch_size"):
+                     "threads", "eval_n", "eval_batch_size", "checkpoint_steps"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.seq_len < 64:

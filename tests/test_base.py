@@ -151,3 +151,85 @@ def test_tiny_base_builds_end_to_end_and_is_skipped_after(tmp_path, capsys):
     run_base(config, run)
     assert "without metrics" in capsys.readouterr().out
     assert base_is_complete(run) and (run.base / "model.safetensors").stat().st_mtime_ns == weights
+
+
+RESUMABLE = [
+    "base.steps=12", "base.checkpoint_steps=4", "base.batch_rows=2", "base.hidden_size=32", "base.layers=2",
+    "base.heads=2", "base.intermediate_size=64", "base.vocab_size=320", "base.eval_n=2", "base.eval_batch_size=2",
+    "base.threads=1", "base.warmup_steps=1", "base.eval_reflection=false",
+]
+
+
+def _weights(run: RunDir) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(run.base / "model.safetensors")
+
+
+def test_an_interrupted_base_build_resumes_to_the_same_weights(tmp_path, monkeypatch, capsys):
+    import redumix.pipeline.base as base_stage
+
+    config = load_config("recipes/tiny.yaml", RESUMABLE)
+    whole = RunDir(tmp_path / "whole")
+    run_base(config, whole)
+
+    real_lr_at = base_stage.lr_at
+
+    def crash_at_step_9(step, settings):
+        if step == 9:
+            raise KeyboardInterrupt("killed")
+        return real_lr_at(step, settings)
+
+    broken = RunDir(tmp_path / "broken")
+    monkeypatch.setattr(base_stage, "lr_at", crash_at_step_9)
+    with pytest.raises(KeyboardInterrupt):
+        run_base(config, broken)
+    state = json.loads((broken.root / ".base.partial" / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 8 and not base_is_complete(broken)
+    monkeypatch.setattr(base_stage, "lr_at", real_lr_at)
+    capsys.readouterr()
+    run_base(config, broken)
+    assert "resuming from step 8" in capsys.readouterr().out
+    assert not (broken.root / ".base.partial").exists() and not (broken.base / "checkpoint").exists()
+    expected, resumed = _weights(whole), _weights(broken)
+    assert expected.keys() == resumed.keys()
+    assert all(torch.equal(expected[k], resumed[k]) for k in expected)
+
+
+def test_a_partial_build_of_other_settings_is_not_resumed(tmp_path, capsys):
+    config = load_config("recipes/tiny.yaml", RESUMABLE)
+    run = RunDir(tmp_path)
+    partial = run.root / ".base.partial"
+    (partial / "checkpoint").mkdir(parents=True)
+    (partial / "build_config.yaml").write_text("seed: 99\n")
+    (partial / "tokenizer.json").write_text("{}")
+    (partial / "checkpoint" / "state.json").write_text('{"step": 8}')
+    run_base(config, run)
+    assert "resuming" not in capsys.readouterr().out and base_is_complete(run)
+
+
+@pytest.mark.slow
+def test_a_killed_base_build_resumes_to_the_same_weights(tmp_path):
+    """SIGKILL the real CLI once a checkpoint exists; the rerun ends with the weights of an unbroken build."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    overrides = [o.replace("base.steps=12", "base.steps=60").replace("checkpoint_steps=4", "checkpoint_steps=10")
+                 for o in RESUMABLE]
+    whole = RunDir(tmp_path / "whole")
+    run_base(load_config("recipes/tiny.yaml", overrides), whole)
+    command = [sys.executable, "-m", "redumix.pipeline.cli", "base", "--recipe", "recipes/tiny.yaml",
+               "--run-dir", str(tmp_path / "killed"), *overrides]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state = tmp_path / "killed" / ".base.partial" / "checkpoint" / "state.json"
+    deadline = time.time() + 300
+    while not state.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    killed = RunDir(tmp_path / "killed")
+    run_base(load_config("recipes/tiny.yaml", overrides), killed)
+    expected, resumed = _weights(whole), _weights(killed)
+    assert all(torch.equal(expected[k], resumed[k]) for k in expected)
