@@ -1,0 +1,111 @@
+"""Faults survived: a stage killed at a random point, or a write that fails with a full disk, leaves no partial file
+under a final name, and the rerun ends with the outputs of an uninterrupted run."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from redumix.data.shards import iter_rows, shard_paths
+from redumix.pipeline import run as run_module
+from redumix.pipeline.config import load_config
+from redumix.pipeline.eval import run_eval
+from redumix.pipeline.harvest import run_harvest
+from redumix.pipeline.run import RunDir, atomic_write_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = [
+    "harvest.n=8", "harvest.shard_rows=2", "harvest.batch_size=2", "sampling.max_new_tokens=6",
+    "redumix.reflection_max_tokens=5", "redumix.critique_max_tokens=4", "redumix.topk=8", "pdr.drafts=2",
+    "pdr.rounds=1", "pdr.workspace_tokens=24", "eval.batch_size=2", "eval.n=6", "eval.n_other=4",
+]
+TIMING = {"wall_s", "tokens_per_s"}
+
+
+def _report_rows(run_dir: Path) -> list[dict]:
+    rows = json.loads((run_dir / "eval" / "report.json").read_text())["rows"]
+    return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
+
+
+def _records(run_dir: Path) -> dict[str, list[dict]]:
+    out = {}
+    for path in sorted((run_dir / "eval" / "generations").glob("*.jsonl")):
+        out[path.name] = [{k: v for k, v in json.loads(line).items() if k not in ("seconds", "model")}
+                          for line in path.read_text().splitlines()]
+    return out
+
+
+@pytest.mark.slow
+def test_a_killed_eval_resumes_to_the_same_report(tmp_path, tiny_model_dir):
+    config = load_config(ROOT / "recipes" / "tiny.yaml", [f"model.path={tiny_model_dir}", *SMALL])
+    run_eval(config, RunDir(tmp_path / "whole"))
+    killed = tmp_path / "killed"
+    command = [sys.executable, "-m", "redumix.pipeline.cli", "eval", "--recipe", str(ROOT / "recipes" / "tiny.yaml"),
+               "--run-dir", str(killed), f"model.path={tiny_model_dir}", *SMALL]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    generations = killed / "eval" / "generations"
+    deadline = time.time() + 300
+    while process.poll() is None and time.time() < deadline and len(list(generations.glob("*.jsonl"))) < 3:
+        time.sleep(0.05)
+    time.sleep(random.uniform(0, 1.0))  # somewhere inside a later decoder's batches
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    run_eval(config, RunDir(killed))
+    assert _records(killed) == _records(tmp_path / "whole")
+    assert _report_rows(killed) == _report_rows(tmp_path / "whole")
+
+
+class _DiskFull:
+    """Makes the n-th file write of atomic_write_bytes fail with ENOSPC, as a full disk does."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.calls, self.fail_at = 0, fail_at
+        self.real_fdopen = os.fdopen
+
+    def __call__(self, fd, *args, **kwargs):
+        handle = self.real_fdopen(fd, *args, **kwargs)
+        self.calls += 1
+        if self.calls == self.fail_at:
+            def write(data):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            handle.write = write
+        return handle
+
+
+def test_a_failed_write_leaves_no_file_under_its_final_name(tmp_path, monkeypatch):
+    target = tmp_path / "out.json"
+    monkeypatch.setattr(run_module.os, "fdopen", _DiskFull(fail_at=1))
+    with pytest.raises(OSError, match="No space left"):
+        atomic_write_bytes(target, b"x" * 1000)
+    assert list(tmp_path.iterdir()) == []  # neither the final name nor the temporary file
+
+
+def test_harvest_survives_a_full_disk_and_the_rerun_completes(tmp_path, tiny_model_dir, monkeypatch):
+    config = load_config(ROOT / "recipes" / "tiny.yaml", [f"model.path={tiny_model_dir}", *SMALL])
+    run_harvest(config, RunDir(tmp_path / "whole"))
+    whole_rows = iter_rows(shard_paths(tmp_path / "whole" / "harvest"))
+    expected = [{k: v for k, v in r.items() if k != "meta"} for r in whole_rows]
+
+    full = tmp_path / "full"
+    disk = _DiskFull(fail_at=4)  # config, fingerprint, then the first shards: a shard write fails
+    monkeypatch.setattr(run_module.os, "fdopen", disk)
+    with pytest.raises(OSError, match="No space left"):
+        run_harvest(config, RunDir(full))
+    monkeypatch.setattr(run_module.os, "fdopen", disk.real_fdopen)
+    folder = full / "harvest"
+    assert not (folder / "manifest.json").exists()
+    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+    written = shard_paths(folder)
+    assert all(p.stat().st_size > 0 for p in written)
+    run_harvest(config, RunDir(full))
+    resumed = [{k: v for k, v in r.items() if k != "meta"} for r in iter_rows(shard_paths(folder))]
+    assert resumed == expected
