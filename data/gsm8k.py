@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from redumix.data import grading
-from redumix.data.grading import extract_answer
+from redumix.data.grading import as_number, extract_answer
 from redumix.data.jsonl import jsonl_objects
 from redumix.data.task import Example, Split, TaskConfig
 
@@ -20,16 +20,30 @@ def load_gsm8k(path: Path, prompt_suffix: str = "") -> list[Example]:
         raise FileNotFoundError(f"GSM8K file not found: {path} (set task.path to the folder holding {path.name})")
     examples = []
     for line_no, row in jsonl_objects(path):
+        where = f"{path}:{line_no}"
         if not isinstance(row, dict) or not isinstance(row.get("question"), str) or "answer" not in row:
-            raise ValueError(f"{path}:{line_no}: expected an object with 'question' and 'answer' strings")
+            raise ValueError(
+                f"{where}: expected an object with 'question' and 'answer' strings; fix or remove that line"
+            )
+        if not row["question"].strip():
+            raise ValueError(f"{where}: 'question' is empty, so there is no prompt to answer; fix or remove that line")
+        reference = gold_answer(str(row["answer"]))
+        if as_number(reference) is None:
+            raise ValueError(
+                f"{where}: 'answer' must end in '#### N' with N a number, but its gold answer is {reference[:40]!r}; "
+                "fix or remove that line"
+            )
         examples.append(
             Example(
                 id=f"gsm8k-{path.stem}-{line_no - 1:05d}",
                 task="gsm8k",
                 prompt=row["question"].strip() + prompt_suffix,
-                reference=gold_answer(str(row["answer"])),
+                reference=reference,
             )
         )
+    if not examples:
+        raise ValueError(f"{path}: no examples (the file holds no JSON lines); set task.path to a folder whose "
+                         f"{path.name} has one 'question'/'answer' object a line")
     return examples
 
 

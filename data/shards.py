@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 SCHEMA = pa.schema(
     [
@@ -75,10 +76,40 @@ def read_shard(path: Path) -> pa.Table:
         raise ValueError(
             f"{path}: not a readable Arrow shard ({exc}); delete it and rerun the harvest to redo it"
         ) from exc
+    check_table(table, path)
+    return table
+
+
+_REDO_AGAIN = "delete it and run `redumix harvest` again, which redoes only the missing shards"
+_PER_TOKEN = ("mix_topk_ids", "mix_topk_logprobs", "mix_tail_logprob")  # one entry per token of redo_token_ids
+
+
+def check_table(table: pa.Table, path: Path) -> None:
+    """A shard's columns, their types, and one teacher entry per redo token; errors name the file and the fix."""
     missing = [c for c in COLUMNS if c not in table.column_names and c not in OPTIONAL_COLUMNS]
     if missing:
-        raise ValueError(f"{path}: missing columns {missing}; it was not written by this version of redumix")
-    return table
+        raise ValueError(f"{path}: missing columns {missing}; it was not written by this version of redumix: "
+                         + _REDO_AGAIN)
+    for name in table.column_names:
+        if name in COLUMNS and table.schema.field(name).type != SCHEMA.field(name).type:
+            raise ValueError(
+                f"{path}: column {name!r} holds {table.schema.field(name).type}, not "
+                f"{SCHEMA.field(name).type}; it was not written by this version of redumix: " + _REDO_AGAIN
+            )
+    if "redo_token_ids" not in table.column_names or table.num_rows == 0:
+        return
+    redo = pc.list_value_length(table["redo_token_ids"])
+    for name in ("redo_token_ids", *_PER_TOKEN):
+        if name not in table.column_names:
+            continue
+        lengths = pc.list_value_length(table[name])
+        wrong = pc.is_null(lengths) if name == "redo_token_ids" else pc.fill_null(pc.not_equal(lengths, redo), True)
+        if pc.any(wrong).as_py():
+            i = pc.index(wrong, True).as_py()
+            row = table["id"][i].as_py() if "id" in table.column_names else i
+            have = "no value" if lengths[i].as_py() is None else f"{lengths[i].as_py()} entries"
+            than = "" if name == "redo_token_ids" else f" but redo_token_ids has {redo[i].as_py()}"
+            raise ValueError(f"{path}: row {row!r}: {name} has {have}{than}; the shard is corrupt: " + _REDO_AGAIN)
 
 
 def shard_paths(folder: Path) -> list[Path]:
@@ -121,6 +152,8 @@ def load_shards(folder: Path):
     paths = shard_paths(folder)
     if not paths:
         raise FileNotFoundError(f"no shards in {folder}: run `redumix harvest` first")
+    for path in paths:
+        read_shard(path)  # every column there, with its type and lengths, before anything reads a row
     return datasets.load_dataset("arrow", data_files=[str(p) for p in paths], split="train")
 
 

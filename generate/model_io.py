@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -25,18 +26,67 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model in eval mode plus its tokenizer (left padding, a pad token). Raises FileNotFoundError if missing."""
     path = Path(path)
+    tokenizer = load_tokenizer(path, trust_remote_code)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    model.to(pick_device(device)).eval()
+    return model, tokenizer
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model folder, checked for what every stage needs: a chat template and a pad token (the
+    eos token stands in when there is none). Errors name the folder and say what to do."""
+    path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"no model at {path} (expected a Hugging Face folder with config.json): run `redumix base` for the "
             "embedded default, or set model.path to a local checkpoint folder"
         )
+    refuse_shipped_code(path, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    tokenizer.padding_side = "left"
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"{path}: the tokenizer has no chat template, and redumix renders every prompt with it; add one "
+            "(chat_template.jinja or 'chat_template' in tokenizer_config.json) or set model.path to a chat model"
+        )
     if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
-    model.to(pick_device(device)).eval()
-    return model, tokenizer
+        if tokenizer.eos_token_id is None:
+            raise ValueError(
+                f"{path}: the tokenizer has neither a pad token nor an eos token, so batches cannot be padded and "
+                f"answers cannot end; set 'eos_token' (and 'pad_token') in {path / 'tokenizer_config.json'}"
+            )
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any id will do
+    vocab = json.loads((path / "config.json").read_text()).get("vocab_size")
+    outside: dict[int, list[str]] = {}  # id -> the roles it plays (pad and eos are often one token)
+    for role, i in (("pad", tokenizer.pad_token_id), ("eos", tokenizer.eos_token_id)):
+        if isinstance(vocab, int) and i is not None and i >= vocab:
+            outside.setdefault(i, []).append(role)
+    if outside:
+        named = " and ".join(
+            f"{'/'.join(roles)} token {tokenizer.convert_ids_to_tokens(i)!r} (id {i})" for i, roles in outside.items()
+        )
+        raise ValueError(
+            f"{path}: the tokenizer's {named} is outside the model's {vocab}-token vocabulary (transformers fills in "
+            "such a default when the tokenizer names no pad or eos token); set 'eos_token' (and 'pad_token') in "
+            f"{path / 'tokenizer_config.json'} to tokens the model knows"
+        )
+    return tokenizer
+
+
+def refuse_shipped_code(path: Path, trust_remote_code: bool) -> None:
+    """A folder whose config points at its own Python code (`auto_map`) loads only when the recipe trusts it.
+
+    Without trust, transformers quietly loads its built-in class instead, which is not the model the folder ships.
+    """
+    if trust_remote_code:
+        return
+    for name in ("config.json", "tokenizer_config.json"):
+        file = path / name
+        if file.is_file() and "auto_map" in json.loads(file.read_text()):
+            raise ValueError(
+                f"{file}: the model ships its own code (auto_map), and redumix runs no code from a model folder "
+                "unless the recipe says so; read that code, then set model.trust_remote_code: true to run it"
+            )
 
 
 def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:

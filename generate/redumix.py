@@ -276,7 +276,8 @@ def _fit_window(
     for x, ids, piece1, piece2 in zip(x_ids, y1, reflect_piece, redo_piece, strict=True):
         worst = len(x) + len(ids) + len(piece1) + config.reflection_max_tokens + len(piece2) + policy.max_new_tokens
         overflow = worst - window
-        cut.append(0 if overflow <= 0 else min(len(ids), overflow + note_len))
+        # An attempt no longer than the note cannot be shortened by replacing its start with the note.
+        cut.append(0 if overflow <= 0 or len(ids) <= note_len else min(len(ids), overflow + note_len))
     if not any(cut):
         return state, cut
     note = tokenizer(COMPRESSION_NOTE, add_special_tokens=False)["input_ids"]

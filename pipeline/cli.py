@@ -40,16 +40,28 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"redumix: {exc}", file=sys.stderr)
         return 2
-    if rank() == 0:
-        run.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run.config, config_to_yaml(config))
-    print0(f"redumix {stage}: run folder {run.root}, recipe {config.name}")
     try:
+        if rank() == 0:
+            run.root.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(run.config, config_to_yaml(config))
+        print0(f"redumix {stage}: run folder {run.root}, recipe {config.name}")
         run_stage(stage, config, run)
+    except PermissionError as exc:
+        print(f"redumix {stage}: error: {permission_message(exc, run)}", file=sys.stderr)
+        return 1
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"redumix {stage}: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def permission_message(exc: PermissionError, run: RunDir) -> str:
+    """A refused read or write, with the path and what to do (a temporary file stands for its folder)."""
+    path = Path(exc.filename) if exc.filename else run.root
+    if path.name.startswith(".") and path.name.endswith(".tmp"):
+        path = path.parent
+    return (f"{path}: {exc.strerror or 'permission denied'}; give this user access to it (the run folder "
+            f"{run.root} must be writable), or pass another --run-dir")
 
 
 def run_stage(stage: str, config: Config, run: RunDir) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -222,7 +223,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
         try:
             loaded = yaml.safe_load(recipe.read_text()) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{recipe}: not valid YAML: {exc}") from exc
+            raise ConfigError(_yaml_error(recipe, exc)) from exc
         if not isinstance(loaded, dict):
             raise ConfigError(f"{recipe}: the top level must be a mapping of sections, got {type(loaded).__name__}")
         raw = loaded
@@ -240,6 +241,18 @@ def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
     if not config.name:
         config.name = recipe.stem if recipe is not None else "default"
     return config
+
+
+def _yaml_error(recipe: Path, exc: yaml.YAMLError) -> str:
+    """`FILE:LINE: not valid YAML (what, and where the construct it broke began); fix ...`."""
+    mark = getattr(exc, "problem_mark", None)
+    if mark is None:
+        return f"{recipe}: not valid YAML ({exc}); fix the file"
+    problem = getattr(exc, "problem", None) or "syntax error"
+    context, began = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and began is not None:
+        problem += f", {context} from line {began.line + 1}"
+    return f"{recipe}:{mark.line + 1}: not valid YAML ({problem}); fix the YAML there"
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
@@ -308,7 +321,14 @@ def _build(cls: type, raw: Any, prefix: str, origin: dict[str, str], errors: lis
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:
-        errors.append(f"{_where(origin, prefix.rstrip('.'))}: section {prefix.rstrip('.') or 'top level'!r}: {exc}")
+        # The check names fields, not where they were set: find the given keys it names, to point at them.
+        named = [prefix + name for name in known if name in raw and re.search(rf"\b{name}\b", str(exc))]
+        if named:
+            where = " and ".join(sorted({_where(origin, dotted) for dotted in named}))
+            errors.append(f"{where}: {', '.join(repr(d) for d in named)}: {exc}")
+        else:
+            section = prefix.rstrip(".")
+            errors.append(f"{_where(origin, section)}: section {section or 'top level'!r}: {exc}")
         return cls()
 
 

@@ -45,6 +45,7 @@ from redumix.pipeline.run import (
     atomic_write_text,
     log_metrics,
     model_path,
+    peak_rss_mb,
     print0,
     read_json,
 )
@@ -140,7 +141,8 @@ def run_eval(
             if found is not None:
                 diagnostics[f"{checkpoint}/{decoder}"] = found
     report = {"fingerprint": report_fingerprint, "task": task.name, "split": config.eval.split,
-              "checkpoints": {k: str(v) for k, v in checkpoints.items()}, "rows": rows, "diagnostics": diagnostics}
+              "checkpoints": {k: str(v) for k, v in checkpoints.items()}, "rows": rows, "diagnostics": diagnostics,
+              "peak_rss_mb": peak_rss_mb()}
     atomic_write_text(out / "report.md", report_markdown(report))
     plot_accuracy_vs_fpe(rows, out / "accuracy_vs_fpe.png")
     atomic_write_json(report_path, report)  # last: its presence means the stage is complete

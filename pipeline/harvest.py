@@ -31,7 +31,7 @@ from redumix.data.shards import (
 )
 from redumix.data.task import Example, Task
 from redumix.data.tasks import make_task
-from redumix.generate.model_io import load_model, stop_token_ids
+from redumix.generate.model_io import load_model, load_tokenizer, stop_token_ids
 from redumix.generate.redumix import FeedbackFn, RedumixResult, redumix_generate
 from redumix.pipeline.base import ensure_base
 from redumix.pipeline.config import Config, config_to_yaml
@@ -44,6 +44,7 @@ from redumix.pipeline.run import (
     init_distributed,
     log_metrics,
     model_path,
+    peak_rss_mb,
     print0,
     rank,
     read_json,
@@ -72,9 +73,18 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
             manifest_path.unlink()
         barrier()
     ensure_base(config, run)
+    # Every input is checked before the folder is claimed, so a fixed rerun is not refused as another config.
+    examples = task.examples(config.harvest.split, config.harvest.n)
+    if not examples:
+        raise ValueError(
+            f"harvest: task {task.name!r} gives no examples in split {config.harvest.split!r} "
+            f"(harvest.split, harvest.n={config.harvest.n}); point the task at data that has some"
+        )
+    if config.redumix.feedback == "human":
+        _check_human_feedback(config.redumix.feedback_file, examples)
+    load_tokenizer(model_path(config.model.path, run), config.model.trust_remote_code)  # the folder, its template
     _claim_folder(out, config, fingerprint)
 
-    examples = task.examples(config.harvest.split, config.harvest.n)
     rows_per_shard = config.harvest.shard_rows
     n_shards = math.ceil(len(examples) / rows_per_shard)
     if rank() == 0:
@@ -142,13 +152,21 @@ def feedback_fn(config: Config, task: Task, batch: list[Example]) -> FeedbackFn 
         return None
     if mode == "verifier":
         return lambda i, attempt: task.feedback(attempt, batch[i])
+    _check_human_feedback(config.redumix.feedback_file, batch)
     human = _human_feedback(config.redumix.feedback_file)
-    missing = [e.id for e in batch if e.id not in human]
+    return lambda i, attempt: human[batch[i].id]
+
+
+def _check_human_feedback(path: str, examples: list[Example]) -> None:
+    """Every example to harvest has its line in the feedback file, or an error naming the file and the ids."""
+    human = _human_feedback(path)
+    missing = [e.id for e in examples if e.id not in human]
     if missing:
         raise ValueError(
-            f"{config.redumix.feedback_file}: no feedback for ids {missing[:5]} (one line per example id)"
+            f"{path}: no feedback for {len(missing)} of the {len(examples)} examples to harvest, e.g. ids "
+            f"{missing[:3]}; add one line {{\"id\": ..., \"feedback\": ...}} for each (ids look like "
+            f"{examples[0].id!r}), or set redumix.feedback=verifier"
         )
-    return lambda i, attempt: human[batch[i].id]
 
 
 _HUMAN: dict[str, dict[str, str]] = {}
@@ -239,7 +257,13 @@ def check_harvest(folder: Path) -> None:
     manifest_path = Path(folder) / "manifest.json"
     if not manifest_path.exists():
         raise FileNotFoundError(f"{folder}: no complete harvest (no manifest.json); run `redumix harvest` first")
-    bad = bad_shards(folder, read_json(manifest_path).get("shard_files", {}))
+    manifest = read_json(manifest_path)
+    if "shard_files" in manifest and not manifest["shard_files"]:
+        raise ValueError(
+            f"{folder}: the harvest is empty ({manifest_path} lists no shards); delete {folder} and run "
+            "`redumix harvest` again on a task split that has examples"
+        )
+    bad = bad_shards(folder, manifest.get("shard_files", {}))
     if bad:
         raise ValueError(
             f"{folder}: {', '.join(bad)} no longer match manifest.json (truncated, corrupt or changed after the "
@@ -283,6 +307,7 @@ def summarize(config: Config, out: Path, n_shards: int, fingerprint: str) -> dic
         "fpe": fpe,
         "decode_seconds": round(seconds, 2),
         "examples_per_s": round(n / seconds, 2) if seconds else None,
+        "peak_rss_mb": peak_rss_mb(),  # this process's (rank 0's) peak: shards stream, so n does not raise it
     }
 
 

@@ -104,6 +104,15 @@ def log_metrics(run: RunDir, stage: str, **values: Any) -> None:
         f.write(line)
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB (Linux reports KiB, macOS bytes)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
+
+
 def model_path(setting: str, run: RunDir) -> Path:
     """'base' names the embedded default in the run folder; anything else is a local model folder."""
     return run.base if setting == "base" else Path(setting)

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, TrainerCallback
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
+from redumix.generate.model_io import load_tokenizer as checked_tokenizer
 from redumix.pipeline.config import Config, config_to_yaml
 from redumix.pipeline.harvest import check_harvest
 from redumix.pipeline.run import (
@@ -29,6 +30,7 @@ from redumix.pipeline.run import (
     atomic_write_json,
     atomic_write_text,
     log_metrics,
+    peak_rss_mb,
     print0,
     rank,
     read_json,
@@ -63,6 +65,12 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
               "heldout": len(held_examples)}
     print0(f"train: rows {counts} (filter '{tc.rows}')")
     if len(train_examples) == 0:
+        if any(train_rows["redo_token_ids"]):  # rows with a redo, but every prompt alone fills train.max_length
+            raise ValueError(
+                f"train: no rows to learn from in {run.harvest}: every selected prompt fills "
+                f"train.max_length={tc.max_length} tokens by itself, leaving no room for its redo; "
+                "raise train.max_length"
+            )
         raise ValueError(
             f"train: no rows to learn from in {run.harvest} with train.rows={tc.rows!r} "
             f"({len(harvested)} harvested, {len(rows)} selected); try train.rows=all or harvest more"
@@ -110,6 +118,7 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
         "heldout_kl_merged": kl_merged,
         "heldout_tokens": sum(len(e["input_ids"]) - e["prompt_length"] for e in held_examples),
         "wall_seconds": round(time.time() - started, 1),
+        "peak_rss_mb": peak_rss_mb(),
     }
     log_metrics(run, STAGE, **{k: v for k, v in result.items() if k != "rows"})
     print0(f"train: held-out KL(p_mix ‖ model) per token: base {kl_base:.4f} -> merged {kl_merged:.4f} "
@@ -134,10 +143,8 @@ def use_cpu(config: Config) -> bool:
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool) -> PreTrainedTokenizerBase:
-    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any id will do
-    return tokenizer
+    """The checked tokenizer of generate/model_io.py: a chat template, and a pad token (eos when there is none)."""
+    return checked_tokenizer(path, trust_remote_code)
 
 
 def load_model(path: Path, config: Config) -> torch.nn.Module:
