@@ -32,6 +32,9 @@ from redumix.train.config import TrainConfig
 _CORPUS = CorpusSpec()  # the embedded base's corpus defaults live in data/arith.py; BaseConfig repeats none
 
 
+_SAFE_NAME = re.compile(r"(?!\.{1,2}$)[A-Za-z0-9._-]+")
+
+
 class ConfigError(ValueError):
     """A recipe or override is wrong. The message lists every problem, one per line."""
 
@@ -236,6 +239,10 @@ def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
         _set_dotted(raw, key.strip(), yaml.safe_load(text) if text.strip() else "", errors)
         origin[key.strip()] = "command line"
     config = _build(Config, raw, "", origin, errors)
+    if config.name and not _SAFE_NAME.fullmatch(config.name):
+        # The run folder defaults to runs/<name>: a name with a path in it would write outside runs/.
+        errors.append(f"{_where(origin, 'name')}: 'name' = {config.name!r} must be letters, digits, '.', '_' or '-' "
+                      "(it names the folder runs/<name>); use --run-dir to choose another folder")
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     if not config.name:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from redumix.data.shards import iter_rows, shard_paths
 from redumix.pipeline import run as run_module
@@ -109,3 +110,44 @@ def test_harvest_survives_a_full_disk_and_the_rerun_completes(tmp_path, tiny_mod
     run_harvest(config, RunDir(full))
     resumed = [{k: v for k, v in r.items() if k != "meta"} for r in iter_rows(shard_paths(folder))]
     assert resumed == expected
+
+
+@pytest.mark.slow
+def test_a_killed_train_resumes_to_the_same_weights(tmp_path):
+    """SIGKILL `redumix train` once a checkpoint exists; the rerun ends where an unbroken run does, to 1e-5."""
+    from safetensors.torch import load_file
+
+    from redumix.pipeline.train import run_train
+    from tests.train_fixtures import write_base, write_harvest
+
+    settings = ["train.batch_size=4", "train.learning_rate=0.005", "train.warmup_ratio=0.0", "train.max_steps=12",
+                "train.save_steps=2", "train.heldout_fraction=0.2", "train.lora_rank=8", "train.lora_alpha=16",
+                "train.logging_steps=1"]
+
+    def prepared(folder: Path) -> RunDir:
+        run = RunDir(folder)
+        write_base(run.base)
+        write_harvest(run.harvest, n_rows=40, length=16)
+        return run
+
+    recipe = tmp_path / "train-only.yaml"  # one config for the killed process and the in-process runs
+    recipe.write_text("name: train-only\n")
+    whole = prepared(tmp_path / "whole")
+    expected = run_train(load_config(recipe, [f"model.path={whole.base}", *settings]), whole)
+    killed = prepared(tmp_path / "killed")
+    command = [sys.executable, "-m", "redumix.pipeline.cli", "train", "--recipe", str(recipe),
+               "--run-dir", str(killed.root), f"model.path={killed.base}", *settings]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoints = killed.train / "checkpoints"
+    deadline = time.time() + 300
+    while process.poll() is None and time.time() < deadline and not list(checkpoints.glob("checkpoint-*")):
+        time.sleep(0.05)
+    time.sleep(random.uniform(0, 1.0))
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    resumed = run_train(load_config(recipe, [f"model.path={killed.base}", *settings]), killed)
+    assert resumed["steps"] == expected["steps"] == 12
+    assert resumed["final_loss"] == pytest.approx(expected["final_loss"], abs=1e-5)
+    a = load_file(str(whole.train / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(killed.train / "adapter" / "adapter_model.safetensors"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)

@@ -47,3 +47,12 @@ def test_no_library_code_unpickles_without_weights_only():
             if re.search(r"\btorch\.load\(|\bpickle\.loads?\(", line):
                 calls.append((path.name, line_no, "weights_only=True" in line))
     assert calls and all(safe for _, _, safe in calls), calls
+
+
+@pytest.mark.parametrize("name", ["../../outside", "a/b", "..", "/tmp/x"])
+def test_a_recipe_name_cannot_point_the_run_folder_outside_runs(name):
+    from redumix.pipeline.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"'name'.*--run-dir"):
+        load_config(ROOT / "recipes" / "tiny.yaml", [f"name={name}"])
+    assert load_config(ROOT / "recipes" / "tiny.yaml", ["name=tiny-v2.1"]).name == "tiny-v2.1"
