@@ -59,6 +59,17 @@ class SparseGKDTrainer(SFTTrainer):
         return (loss, outputs) if return_outputs else loss
 
 
+class NoFinalCheckpoint(TrainerCallback):
+    """Skip the checkpoint at the last step. Resuming from a checkpoint taken at max_steps makes HF Trainer run one
+    step more (it checks max_steps only after a step), so a crash between the last step and the outputs would
+    change the model. Without it, the rerun resumes one checkpoint earlier and redoes the last steps exactly."""
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if state.global_step >= state.max_steps:
+            control.should_save = False
+        return control
+
+
 def lora_config(config: TrainConfig) -> LoraConfig | None:
     if config.adapter == "full":
         return None
@@ -135,7 +146,7 @@ def build_trainer(
         train_dataset=train_examples,
         processing_class=tokenizer,
         peft_config=lora_config(config),
-        callbacks=callbacks,
+        callbacks=[NoFinalCheckpoint(), *(callbacks or [])],
         beta=config.beta,
         temperature=config.temperature,
     )
