@@ -40,7 +40,7 @@ class Decoded:
 Model = PreTrainedModel
 Tokenizer = PreTrainedTokenizerBase
 # (prompts, per-example seeds, stop ids, pad id) -> one generation per prompt: a decoder that answers x directly
-AnswerFn = Callable[[list[list[int]], list[int], list[int], int], list[Generation]]
+GenerateFn = Callable[[list[list[int]], list[int], list[int], int], list[Generation]]
 
 
 class Decoder(Protocol):
@@ -69,11 +69,11 @@ def example_seeds(seed: int, examples: Sequence[Example], name: str) -> list[int
 
 
 def answer_directly(
-    answer: AnswerFn, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], seed: int, name: str
+    generate: GenerateFn, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], seed: int, name: str
 ) -> list[Decoded]:
     """Run a decoder that answers each prompt x in one generation, and wrap its generations as results."""
     stop_ids = stop_token_ids(model, tokenizer)
-    gens = answer(attempt_prompts(tokenizer, examples), example_seeds(seed, examples, name), stop_ids,
+    gens = generate(attempt_prompts(tokenizer, examples), example_seeds(seed, examples, name), stop_ids,
                   tokenizer.pad_token_id)
     return [Decoded(tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True), g.token_ids, g.usage)
             for g in gens]

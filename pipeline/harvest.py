@@ -152,8 +152,7 @@ def feedback_fn(config: Config, task: Task, batch: list[Example]) -> FeedbackFn 
         return None
     if mode == "verifier":
         return lambda i, attempt: task.feedback(attempt, batch[i])
-    _check_human_feedback(config.redumix.feedback_file, batch)
-    human = _human_feedback(config.redumix.feedback_file)
+    human = _human_feedback(config.redumix.feedback_file)  # every id was checked before the harvest began
     return lambda i, attempt: human[batch[i].id]
 
 

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from redumix.generate.model_io import load_tokenizer as checked_tokenizer
+from redumix.generate.model_io import load_tokenizer
 from redumix.pipeline.config import Config, config_to_yaml
 from redumix.pipeline.harvest import check_harvest
 from redumix.pipeline.run import (
@@ -140,11 +140,6 @@ def base_model_path(config: Config, run: RunDir) -> Path:
 
 def use_cpu(config: Config) -> bool:
     return config.model.device == "cpu" or not torch.cuda.is_available()
-
-
-def load_tokenizer(path: Path, trust_remote_code: bool) -> PreTrainedTokenizerBase:
-    """The checked tokenizer of generate/model_io.py: a chat template, and a pad token (eos when there is none)."""
-    return checked_tokenizer(path, trust_remote_code)
 
 
 def load_model(path: Path, config: Config) -> torch.nn.Module:
