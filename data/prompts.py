@@ -33,6 +33,14 @@ def reflect_messages(prompt: str, attempt: str, feedback: str) -> list[Message]:
     ]
 
 
+LONGHAND = "Work it out the long way, checking each step."
+
+
+def longhand_messages(prompt: str) -> list[Message]:
+    """[x ‖ LONGHAND]: the task, asking for the careful procedure that reflections use, as visible working."""
+    return [{"role": "user", "content": f"{prompt}\n{LONGHAND}"}]
+
+
 REFINE = "Solve it again. Check each step the long way before you trust it."
 
 
