@@ -23,7 +23,7 @@ REPEATS = 5
 def _time_reflection(model, tokenizer, prompts, dual_path: bool) -> float:
     # τ_high = τ_low = 0 with budget = L: exactly one reflection, at the first step, of exactly L hidden tokens.
     config = ReflectiveConfig(tau_high=0.0, tau_low=0.0, tau_stop=-1.0, reflect_length=REFLECT_LENGTH,
-                              budget_total=REFLECT_LENGTH, model_may_end=False, dual_path=dual_path)
+                              budget_total=REFLECT_LENGTH, model_may_end=False, stop="peek", dual_path=dual_path)
     policy = SamplingPolicy(temperature=1.0, top_p=0.95, max_new_tokens=1)
     start = time.perf_counter()
     results = reflective_generate(model, tokenizer, prompts, policy, range(len(prompts)), [-1],

@@ -8,8 +8,16 @@ what `redumix base` pre-trains on. So the base never sees a held-out or harveste
 The base's training text teaches two procedures of different reliability:
 - a terse first attempt, one line per step (`54 * 3 = 162`), some with realistic slips;
 - a long-hand check that splits tens and units (`54 * 3: 50 * 3 = 150, 4 * 3 = 12, 150 + 12 = 162`). Reflections,
-  refine answers and hidden `<|reflect|>` spans use it. Checking this way is more reliable than the terse line, so
-  a redo conditioned on the check is more accurate than the attempt: that gap is what ReDuMix harvests.
+  refine answers, the long-hand solutions asked for by LONGHAND and hidden `<|reflect|>` spans use it. Checking this
+  way is more reliable than the terse line, so a redo conditioned on the check is more accurate than the attempt:
+  that gap is what ReDuMix harvests.
+
+Hidden check spans open mostly on hard lines (a carry, a borrow, a two-digit product), where the model is least sure:
+the lines it is unsure of are the ones it learnt to check. Slips stay spread evenly over the lines: a base trained
+with four in five slips on hard lines scored 29% greedy, against 42% with even slips and the same corpus otherwise
+(it learnt to slip where it should check). A refine answer reads the workspace's drafts line by line, checks
+long-hand only the lines the drafts disagree on (every line when there is
+one draft: Sequential Refinement), then writes the problem's steps again with the wrong lines fixed.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import random
 import re
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -28,6 +37,7 @@ from redumix.data.prompts import (
     attempt_messages,
     critique_messages,
     format_workspace,
+    longhand_messages,
     redo_messages,
     refine_messages,
 )
@@ -228,6 +238,18 @@ def slip(rng: random.Random, line: Line) -> Line:
     return Line(line.left, line.op, line.right, true + 1)
 
 
+def is_hard(left: int, op: str, right: int) -> bool:
+    """A carry, a borrow or a two-digit product: where the terse line slips, and where a check pays."""
+    if op == "+":
+        return left % 10 + right % 10 >= 10
+    if op == "-":
+        return left % 10 < right % 10
+    return left >= 10
+
+
+HARD_WEIGHT = 4.0  # a hard line is this many times likelier than an easy one to hold a check span
+
+
 def attempt_lines(problem: Problem, rng: random.Random, slips: set[int] = frozenset()) -> list[Line]:
     """The terse solution, with a slip in each line index in `slips`; later lines carry the wrong value on."""
     lines, value = [], problem.start
@@ -286,7 +308,9 @@ class CorpusSpec:
     """
 
     weights: dict[str, float] = field(
-        default_factory=lambda: {"solution": 0.45, "reflection": 0.35, "critique": 0.05, "refine": 0.15}
+        default_factory=lambda: {
+            "solution": 0.42, "reflection": 0.33, "critique": 0.05, "refine": 0.15, "longhand": 0.05,
+        }
     )
     slip_rate: float = 0.1  # share of trained terse solutions that contain a slip (the base stays imperfect)
     wrong_attempt_rate: float = 0.6  # share of reflection/critique/refine attempts that contain a slip
@@ -315,10 +339,15 @@ def _attempt(problem: Problem, rng: random.Random, wrong_rate: float) -> list[Li
     return _wrong_attempt(problem, rng) if rng.random() < wrong_rate else attempt_lines(problem, rng)
 
 
+def check_probability(line: Line, rate: float) -> float:
+    """Spans sit mostly on hard lines; `rate` stays the share of checked lines on a mix of half hard, half easy."""
+    return min(1.0, rate * 2 * (HARD_WEIGHT if is_hard(line.left, line.op, line.right) else 1.0) / (HARD_WEIGHT + 1))
+
+
 def solution_episode(problem: Problem, rng: random.Random, spec: CorpusSpec) -> Episode:
     lines = _attempt(problem, rng, spec.slip_rate)
-    right = [i for i, line in enumerate(lines) if line.result == line.right_result]
-    checks = {i for i in right if rng.random() < spec.check_span_rate}
+    checks = {i for i, line in enumerate(lines) if line.result == line.right_result
+              and rng.random() < check_probability(line, spec.check_span_rate)}
     messages = [*attempt_messages(problem.text()), {"role": "assistant", "content": solution_text(lines, checks)}]
     return Episode("solution", messages, (1,))
 
@@ -347,12 +376,67 @@ def critique_episode(problem: Problem, rng: random.Random, spec: CorpusSpec) -> 
     return Episode("critique", messages, (3,))
 
 
+def refine_checks(problem: Problem, drafts: list[list[Line]]) -> str:
+    """Read the drafts line by line against the problem. A line every draft agrees on, rightly, is kept as it is;
+    any other line (every line when there is one draft) is re-derived long-hand and Solution 1's value judged."""
+    values = problem.values()
+    out = ["I check Solution 1 line by line."]
+    for index, step in enumerate(problem.steps):
+        a, result = values[index], values[index + 1]
+        right = Line(a, step.op, step.operand, result)
+        if len(drafts) > 1 and all(d[index] == right for d in drafts):
+            out.append(f"Line {index + 1}: {right.text()}. All agree.")
+            continue
+        check = f"Line {index + 1}: {a} {step.op} {step.operand}: {long_hand(a, step.op, step.operand)}."
+        written = drafts[0][index].result
+        out.append(f"{check} Right." if written == result else f"{check} Wrong, I wrote {written}.")
+    return "\n".join(out)
+
+
+def refine_answer(problem: Problem, drafts: list[list[Line]], final: list[Line]) -> str:
+    """The refine turn: the line checks, then the problem's steps again with the wrong lines fixed (`final`)."""
+    return refine_checks(problem, drafts) + "\n" + solution_text(final)
+
+
+def workspace_order(drafts: list[list[Line]]) -> list[list[Line]]:
+    """Drafts as PDR's extract distill orders them: one per distinct answer by descending votes, then the rest,
+    identical drafts once."""
+    votes = Counter(d[-1].result for d in drafts)
+    ranked = sorted(range(len(drafts)), key=lambda i: (-votes[drafts[i][-1].result], i))
+    first_of_answer = {}
+    for i in ranked:
+        first_of_answer.setdefault(drafts[i][-1].result, i)
+    order = list(first_of_answer.values()) + [i for i in ranked if i not in first_of_answer.values()]
+    unique: list[list[Line]] = []
+    for i in order:
+        if drafts[i] not in unique:
+            unique.append(drafts[i])
+    return unique
+
+
 def refine_episode(problem: Problem, rng: random.Random, spec: CorpusSpec) -> Episode:
-    """PDR: earlier terse solutions (some wrong) in the workspace -> a careful long-hand solution."""
-    drafts = [solution_text(_attempt(problem, rng, spec.wrong_attempt_rate)) for _ in range(rng.randint(1, 4))]
-    messages = refine_messages(problem.text(), format_workspace(drafts))
-    messages.append({"role": "assistant", "content": long_hand_solution(problem)})
+    """PDR and SR: a workspace of 1-4 earlier drafts (some wrong) -> line checks -> the steps again, fixed.
+
+    A quarter of the workspaces hold one earlier refine answer instead of terse drafts, as a second PDR or SR round
+    sees it (one refine answer fills PDR's default workspace of 192 tokens); its final lines slip as often as
+    attempts do.
+    """
+    if rng.random() < 0.25:
+        drafts = [_attempt(problem, rng, spec.wrong_attempt_rate)]
+        earlier = [_attempt(problem, rng, spec.wrong_attempt_rate) for _ in range(rng.randint(1, 4))]
+        texts = [refine_answer(problem, workspace_order(earlier), drafts[0])]
+    else:
+        drafts = workspace_order([_attempt(problem, rng, spec.wrong_attempt_rate) for _ in range(rng.randint(1, 4))])
+        texts = [solution_text(d) for d in drafts]
+    messages = refine_messages(problem.text(), format_workspace(texts))
+    messages.append({"role": "assistant", "content": refine_answer(problem, drafts, attempt_lines(problem, rng))})
     return Episode("refine", messages, (1,))
+
+
+def longhand_episode(problem: Problem, rng: random.Random, spec: CorpusSpec) -> Episode:
+    """[x ‖ LONGHAND] -> the whole solution done the careful way (the visible long-hand CoT baseline)."""
+    messages = [*longhand_messages(problem.text()), {"role": "assistant", "content": long_hand_solution(problem)}]
+    return Episode("longhand", messages, (1,))
 
 
 EPISODES = {
@@ -360,6 +444,7 @@ EPISODES = {
     "reflection": reflection_episode,
     "critique": critique_episode,
     "refine": refine_episode,
+    "longhand": longhand_episode,
 }
 
 

@@ -59,9 +59,15 @@ def fingerprint(decoder: Decoder) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def attempt_prompts(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example]) -> list[list[int]]:
-    """Each example's prompt x as the model's chat template renders it, ready for the assistant's turn."""
-    return [prompt_ids(tokenizer, attempt_messages(e.prompt)) for e in examples]
+MessagesFn = Callable[[str], list[dict[str, str]]]  # a task's prompt -> the chat turns the model answers
+
+
+def attempt_prompts(
+    tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], messages: MessagesFn = attempt_messages
+) -> list[list[int]]:
+    """Each example's prompt x (or another rendering of it) as the chat template renders it, ready for the
+    assistant's turn."""
+    return [prompt_ids(tokenizer, messages(e.prompt)) for e in examples]
 
 
 def example_seeds(seed: int, examples: Sequence[Example], name: str) -> list[int]:
@@ -69,11 +75,17 @@ def example_seeds(seed: int, examples: Sequence[Example], name: str) -> list[int
 
 
 def answer_directly(
-    generate: GenerateFn, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], seed: int, name: str
+    generate: GenerateFn,
+    model: Model,
+    tokenizer: Tokenizer,
+    examples: Sequence[Example],
+    seed: int,
+    name: str,
+    messages: MessagesFn = attempt_messages,
 ) -> list[Decoded]:
     """Run a decoder that answers each prompt x in one generation, and wrap its generations as results."""
     stop_ids = stop_token_ids(model, tokenizer)
-    gens = generate(attempt_prompts(tokenizer, examples), example_seeds(seed, examples, name), stop_ids,
-                  tokenizer.pad_token_id)
+    gens = generate(attempt_prompts(tokenizer, examples, messages), example_seeds(seed, examples, name), stop_ids,
+                    tokenizer.pad_token_id)
     return [Decoded(tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True), g.token_ids, g.usage)
             for g in gens]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from redumix.data.prompts import attempt_messages, longhand_messages
 from redumix.data.task import Example, Task
 from redumix.generate.decoder import Decoded, Model, Tokenizer, answer_directly
 from redumix.generate.loop import Choice, ChooseFn, Generation, LoopResult, decode_loop, decode_prompts
@@ -62,14 +63,17 @@ def generate_batch(
 
 @dataclass
 class PlainDecoder:
-    """`greedy` (temperature 0) or `sample`: the model answers x directly."""
+    """`greedy` (temperature 0) or `sample`: the model answers x directly. `longhand` asks it, in the same turn, to
+    work the long way (the careful procedure its reflections use): the visible long-hand CoT baseline."""
 
     name: str
     policy: SamplingPolicy
     seed: int
+    longhand: bool = False
 
     def __call__(self, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], task: Task) -> list[Decoded]:
         def answer(prompts, seeds, stop_ids, pad_id):
             return generate_batch(model, prompts, self.policy, seeds, stop_ids, pad_id)
 
-        return answer_directly(answer, model, tokenizer, examples, self.seed, self.name)
+        messages = longhand_messages if self.longhand else attempt_messages
+        return answer_directly(answer, model, tokenizer, examples, self.seed, self.name, messages)

@@ -1,8 +1,35 @@
 """Hidden-KV Reflective Decoding (the reflective-decoding seed paper, sections 3.2-3.9).
 
 When the next visible token is uncertain, the row pauses its visible output, appends R_START to its KV cache,
-samples hidden tokens under a reflection policy, and appends R_END; then visible decoding resumes from a cache
+decodes hidden tokens under a reflection policy, and appends R_END; then visible decoding resumes from a cache
 that holds the reflection. The user never sees the hidden tokens or the markers.
+
+Features and the settings that switch them (`ReflectiveConfig`):
+- The gate (seed 3.2): `gate`, `tau_high`/`tau_low` (hysteresis), `cooldown`; `ablation` swaps the gating signal
+  for a periodic or random trigger, or keeps the gate with fixed-length reflections and no stop.
+- Trigger points: `trigger_after` (e.g. `[" = "]`) lets a reflection start only where the visible text so far ends
+  with one of the strings, the way Speculative Thinking hands off to the large model only after "\\n\\n". It applies
+  to the gate and to the periodic/random ablations alike, so only the gating signal differs between a gated run and
+  its ablations. A periodic ablation triggers at the first trigger point once `period` visible tokens have passed.
+- How a reflection ends, `stop` (besides `reflect_length` and `budget_total`, which always end it):
+  `end_marker` (default): only the model's own R_END ends it (single-id markers); no peek is ever fed.
+  `peek`: the seed's rule (3.4), a peek with u <= `tau_stop` after R_END, or the model's own R_END.
+  `peek_agree`: a confident peek that also agrees with the check the span just finished (see `peek_agrees`), or
+  the model's own R_END. `ReflectiveResult.end_reasons` records why each reflection ended.
+- Hidden tokens are greedy by default (`reflect_temperature` 0).
+
+What was measured on the embedded arithmetic model, which was trained with hidden check spans
+(`54 * 3 = <|reflect|>50 * 3 = 150, 4 * 3 = 12, 150 + 12 = 162<|/reflect|>162` after ` = ` on terse lines), and
+why the defaults are what they are:
+- The copy trap: a peek stop rewards spans whose end a model can copy. After a one-digit junk span, the visible
+  token after R_END copies the span's last number, so the peek's u is near zero: 854 of 860 spans ended on the peek,
+  749 after one hidden token. Ungated, spans also opened where training never put them (702 of 860 inside a
+  number): hence `trigger_after`. Sampled hidden tokens (temperature 1) cost ~9 points against greedy ones, and
+  reflect_length 24 cut the median training span of 25 tokens: hence greedy, 48 (and budget_total 128).
+- 300 test problems, greedy visible tokens, the recipe's gate: plain decoding 61.0%; spans only after ` = ` ended
+  by `end_marker` 68.0% (FPE 54 per problem), by `peek_agree` 68.0% (FPE 67), by `peek` 34.7%; `end_marker` with
+  spans anywhere 44.3%. `peek_agree` ends almost every span where the model's own R_END would (its peek agrees with
+  the finished check), so on a model trained with the markers it only adds the peeks' cost.
 
 How it differs from the seed's pseudocode, and why:
 - Batched: every example is a row of one `DecodeState` with its own state machine (visible or hidden mode,
@@ -13,12 +40,12 @@ How it differs from the seed's pseudocode, and why:
   reflecting, R_END is cropped back off (physically when no row keeps its peek, else masked out as a hole).
   `dual_path=False` runs the same thing as two forward passes (the sequential baseline `make bench` compares).
 - When the peek says stop, its R_END *is* the main path's R_END: the branch is adopted, not recomputed. The seed's
-  formula FPE = V + H(1+m_e) + N_ref(m_s+m_e) charges that append twice; here a peek-stopped reflection costs
-  m_s + H_i(1+m_e), so FPE = prefill + V_fed + H(1+m_e) + N_ref·m_s. Fixed-length reflections (no peek) cost
-  m_s + H_i + m_e. Each part is in the result (`hidden_tokens`, `peek_tokens`, `marker_tokens`), and the sum
-  equals `ForwardCounter`'s count.
-- A model that was trained with check spans (the embedded default) may write R_END itself (single-id markers
-  only): the reflection then ends there, at the model's own choice, without a peek.
+  formula FPE = V + H(1+m_e) + N_ref(m_s+m_e) charges that append twice. Here, with N_model the reflections the
+  model ended itself (it wrote R_END, m_e = 1):
+    peek, peek_agree: FPE = prefill + V_fed + H(1+m_e) + N_ref·m_s + N_model·m_e
+    end_marker, fixed: FPE = prefill + V_fed + H + N_ref(m_s+m_e)  (no peeks are fed)
+  Each part is in the result (`hidden_tokens`, `peek_tokens`, `marker_tokens`), and the sum equals
+  `ForwardCounter`'s count.
 - Δ-NLL is measured on the first visible token emitted after a reflection, under the model's own distribution
   (temperature 1, banlist applied, no truncation, so it stays finite): NLL after minus NLL before. Δ-uncertainty is
   the gate's u after minus before. Negative means the reflection made the model surer.
@@ -27,6 +54,7 @@ How it differs from the seed's pseudocode, and why:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -44,6 +72,8 @@ from redumix.generate.state import DecodeState, left_pad, prefill, select
 
 GateKind = Literal["norm_entropy", "entropy", "one_minus_pmax", "margin", "topk_entropy"]
 Ablation = Literal["gate", "periodic", "random", "fixed"]
+StopRule = Literal["end_marker", "peek", "peek_agree"]
+STOP_RULES: tuple[StopRule, ...] = ("end_marker", "peek", "peek_agree")
 
 
 @dataclass
@@ -62,21 +92,50 @@ class ReflectiveConfig:
         default=0.45, metadata={"help": "End a reflection once the peek's uncertainty after R_END is at most this."}
     )
     reflect_temperature: float = field(
-        default=1.0, metadata={"help": "Temperature of the hidden reflection policy (0 = greedy)."}
+        default=0.0, metadata={"help": "Temperature of the hidden reflection policy (0 = greedy)."}
     )
     reflect_top_p: float = field(default=0.95, metadata={"help": "Top-p of the hidden reflection policy."})
-    reflect_length: int = field(default=24, metadata={"help": "L_reflect: most hidden tokens in one reflection."})
-    budget_total: int = field(default=64, metadata={"help": "B_total: most hidden tokens per example."})
+    reflect_length: int = field(default=48, metadata={"help": "L_reflect: most hidden tokens in one reflection."})
+    budget_total: int = field(default=128, metadata={"help": "B_total: most hidden tokens per example."})
     cooldown: int = field(default=4, metadata={"help": "Visible tokens after a reflection before another may start."})
     ablation: Ablation = field(
         default="gate",
         metadata={
-            "help": "gate: uncertainty-gated with peek stop; periodic: every `period` visible tokens; random: "
-            "with probability random_rate per visible token; fixed: gated, no peek stop (reflect_length)."
+            "help": "gate: uncertainty-gated, ended by `stop`; periodic: every `period` visible tokens; random: "
+            "with probability random_rate per visible step; both at trigger points only and ended by `stop`; "
+            "fixed: gated, no stop of any kind (always reflect_length hidden tokens)."
         },
     )
-    period: int = field(default=16, metadata={"help": "periodic ablation: visible tokens between reflections."})
-    random_rate: float = field(default=0.1, metadata={"help": "random ablation: trigger probability per step."})
+    stop: StopRule = field(
+        default="end_marker",
+        metadata={
+            "help": "What ends a reflection before reflect_length/budget_total. end_marker: only the model's own "
+            "R_END (needs single-id markers; no peeks are fed). peek: the seed's peek, u after R_END <= tau_stop, "
+            "or the model's R_END. peek_agree: a confident peek that begins the result of the check the span just "
+            "finished (check_result), or the model's R_END."
+        },
+    )
+    check_result: str = field(
+        default=r"=\s*(\d+)\s*$",
+        metadata={
+            "help": "peek_agree: regex searched in the decoded hidden span; it must match at a finished check and "
+            "its one group is the check's result."
+        },
+    )
+    trigger_after: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "A reflection may start only where the visible text so far ends with one of these strings "
+            "(e.g. [' = ']); [] = anywhere. Holds for the gate and the periodic/random ablations alike."
+        },
+    )
+    period: int = field(
+        default=16,
+        metadata={"help": "periodic ablation: visible tokens between reflections (then the next trigger point)."},
+    )
+    random_rate: float = field(
+        default=0.1, metadata={"help": "random ablation: trigger probability per visible step at a trigger point."}
+    )
     dual_path: bool = field(
         default=True, metadata={"help": "Run each hidden step and its peek in one forward pass (else two)."}
     )
@@ -118,6 +177,20 @@ class ReflectiveConfig:
             problems.append(f"random_rate must be in [0, 1], got {self.random_rate}")
         if not 0 < self.calibrate_rate < 1:
             problems.append(f"calibrate_rate must be in (0, 1), got {self.calibrate_rate}")
+        if self.stop not in STOP_RULES:
+            problems.append(f"stop must be one of {', '.join(STOP_RULES)}, got {self.stop!r}")
+        if self.stop == "end_marker" and not self.model_may_end and self.ablation != "fixed":
+            problems.append("stop='end_marker' needs model_may_end=True (the model's R_END is its only stop); "
+                            "for fixed-length reflections use ablation='fixed'")
+        try:
+            groups = re.compile(self.check_result).groups
+        except re.error as exc:
+            problems.append(f"check_result {self.check_result!r} is not a valid regex ({exc})")
+        else:
+            if groups != 1:
+                problems.append(f"check_result must have exactly one group (the result), got {groups}")
+        if any(not isinstance(s, str) or not s for s in self.trigger_after):
+            problems.append(f"trigger_after must hold non-empty strings, got {self.trigger_after!r}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -133,8 +206,12 @@ class ReflectiveResult:
     peek_tokens: int = 0  # R_END positions fed as peeks (FPE only)
     marker_tokens: int = 0  # R_START and adopted or fixed R_END positions (FPE only)
     reflection_lengths: list[int] = field(default_factory=list)
+    # Per reflection: model_end (it wrote R_END), peek (the stop rule; also when it fired at the limit), length
+    # (reflect_length) or budget (budget_total).
+    end_reasons: list[str] = field(default_factory=list)
     reflection_positions: list[int] = field(default_factory=list)  # visible tokens emitted before each reflection
     uncertainty: list[float] = field(default_factory=list)  # the gate's u at every visible step
+    at_trigger: list[bool] = field(default_factory=list)  # per visible step: the text so far ended at a trigger point
     delta_uncertainty: list[float] = field(default_factory=list)  # u after − u before, per reflection
     delta_nll: list[float] = field(default_factory=list)  # NLL after − before of the next visible token
     audit_ids: list[int] = field(default_factory=list)  # audit only: everything after the prompt, markers included
@@ -246,6 +323,63 @@ def uncertainty(logprobs: torch.Tensor, kind: GateKind = "norm_entropy", top_k: 
     raise ValueError(f"unknown gate {kind!r}")
 
 
+# --- trigger points and the peek_agree stop -------------------------------------------------------------------------
+
+
+def at_trigger_point(tokenizer: PreTrainedTokenizerBase, visible: Sequence[int], triggers: Sequence[str]) -> bool:
+    """Whether the visible text so far ends with one of `triggers` (always, when there are none).
+
+    Decodes only the last few tokens: at least one char per token is assumed, plus two spare tokens, so that a
+    token cut at the window's start (a stripped leading space, a split UTF-8 byte) cannot change the tail. The
+    window doubles while its text is still too short, so a string that spans token boundaries is still found.
+    """
+    if not triggers:
+        return True
+    longest = max(len(s) for s in triggers)
+    n = longest + 2
+    while True:
+        text = tokenizer.decode(list(visible[-n:]), skip_special_tokens=True)
+        if len(text) >= longest + 2 or n >= len(visible):
+            return text.endswith(tuple(triggers))
+        n *= 2
+
+
+def peek_agrees(
+    tokenizer: PreTrainedTokenizerBase,
+    span: Sequence[int],
+    peek_logits: torch.Tensor,
+    next_logits: torch.Tensor,
+    check_result: re.Pattern[str],
+    end_id: int,
+) -> bool:
+    """peek_agree's test, beside the peek's confidence: does the peek begin the result of a check the span finished?
+
+    Three things must hold, all read from logits the dual-path step already has (no extra forward pass):
+    - the hidden span so far, decoded, matches `check_result` (searched; group 1 is the check's result, e.g.
+      `162` in `... 150 + 12 = 162`);
+    - the check is finished: the main path's most likely next hidden token (`next_logits`, the logits at the last
+      hidden token's position, with R_START and stop ids banned but R_END allowed) closes the span or the line:
+      it is R_END's first id `end_id`, another special token, or whitespace only. A digit would continue the
+      number, and `,` or ` +` another step of the same check;
+    - the peek's most likely visible token (argmax of `peek_logits`, banlist applied), decoded and stripped, is a
+      non-empty prefix of the result (a tokenizer may split `162` into `16`, `2`).
+    A one-digit junk span fails the first test and a half-written number or an intermediate step (`16 - 0 = 16,`)
+    the second, so a peek that is sure only because it copies the span's last number (the copy trap) cannot end
+    the span there. With only "not a digit" as the second test, the embedded model fell into the trap at
+    intermediate steps (60 train problems, a span at every ` = `: 1.7% accuracy, against 47% with this test or
+    with end_marker).
+    """
+    match = check_result.search(tokenizer.decode(list(span), skip_special_tokens=True))
+    if match is None or not match.group(1):
+        return False
+    following = int(next_logits.argmax())
+    closes = following == end_id or following in tokenizer.all_special_ids
+    if not closes and tokenizer.decode([following], skip_special_tokens=True).strip():
+        return False
+    guess = tokenizer.decode([int(peek_logits.argmax())], skip_special_tokens=True).strip()
+    return bool(guess) and match.group(1).startswith(guess)
+
+
 # --- one step: the main segment and the peek, in one forward pass or two --------------------------------------------
 
 
@@ -352,8 +486,9 @@ def _stream(seeds: torch.Tensor, salt: int) -> torch.Tensor:
     return (seeds.long() * 0x9E3779B1 + salt) & ((1 << 31) - 1)
 
 
-def _should_trigger(row: _Row, u: float, trigger_noise: float, config: ReflectiveConfig) -> bool:
-    if row.hidden_used >= config.budget_total or row.cooldown > 0:
+def _should_trigger(row: _Row, u: float, trigger_noise: float, point: bool, config: ReflectiveConfig) -> bool:
+    """The gate (or the ablation's signal), at a trigger point, with no cooldown and hidden budget left."""
+    if not point or row.hidden_used >= config.budget_total or row.cooldown > 0:
         return False
     if config.ablation == "periodic":
         return row.since_reflection >= config.period
@@ -378,15 +513,24 @@ def reflective_generate(
     max_new_tokens = max_new_tokens or policy.max_new_tokens
     markers = resolve_markers(tokenizer, config)
     m_s, m_e = len(markers.start), len(markers.end)
+    stop_rule = "none" if config.ablation == "fixed" else config.stop
+    if stop_rule == "end_marker" and not markers.single_ids:
+        raise ValueError(
+            f"reflective.stop='end_marker' needs single-id markers, but {tokenizer.name_or_path} has "
+            f"{markers.source} markers of {m_s}/{m_e} ids, which a model cannot write as one token: use "
+            "reflective.stop=peek or reflective.stop=peek_agree, or a tokenizer with single-id markers"
+        )
+    peeks = stop_rule in ("peek", "peek_agree")
+    check_result = re.compile(config.check_result)
     reflect_policy = SamplingPolicy(
         temperature=config.reflect_temperature, top_p=config.reflect_top_p, max_new_tokens=max_new_tokens
     )
     only_reflection = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in config.reflection_only_tokens]
     visible_banned = [markers.start, markers.end, *only_reflection]
-    model_may_end = config.model_may_end and markers.single_ids and config.ablation != "fixed"
+    model_may_end = config.model_may_end and markers.single_ids and stop_rule != "none"
     hidden_banned = [markers.start, *([] if model_may_end else [markers.end]), *[[s] for s in stop_ids if s >= 0]]
+    closing = [markers.start, *[[s] for s in stop_ids if s >= 0]]  # peek_agree: what may follow a finished check
     stop = set(stop_ids)
-    peeks = config.ablation != "fixed"
 
     state = prefill(model, prompts, pad_id)
     rows = [_Row(i, int(s)) for i, s in enumerate(seeds)]
@@ -396,6 +540,7 @@ def reflective_generate(
         main: list[list[int]] = [[] for _ in active]
         peek: list[list[int]] = [[] for _ in active]
         ends: list[bool] = [False] * len(active)  # the peek appended this step, if any, ends the reflection
+        reasons: list[str] = [""] * len(active)  # why, when it does
 
         # --- visible rows: gate, then either R_START or a visible token
         vis = [i for i, r in enumerate(active) if not r.hidden_mode and not r.done]
@@ -409,7 +554,8 @@ def reflective_generate(
             model_lp = torch.log_softmax(raw, dim=-1)
             for j, i in enumerate(vis):
                 row = active[i]
-                if _should_trigger(row, u[j], trigger_noise[j], config):
+                point = at_trigger_point(tokenizer, row.visible, config.trigger_after)
+                if _should_trigger(row, u[j], trigger_noise[j], point, config):
                     row.hidden_mode, row.armed, row.current = True, False, []
                     row.u_before, row.logprobs_before = u[j], model_lp[j]
                     row.result.reflection_positions.append(len(row.visible))
@@ -422,6 +568,7 @@ def reflective_generate(
                     row.logprobs_before = None
                 row.visible.append(tokens[j])
                 row.result.uncertainty.append(u[j])
+                row.result.at_trigger.append(point)
                 row.since_reflection += 1
                 row.cooldown = max(0, row.cooldown - 1)
                 if u[j] < config.tau_low:
@@ -443,16 +590,19 @@ def reflective_generate(
                 row, token = active[i], tokens[j]
                 row.hidden_draws += 1
                 if model_may_end and token == markers.end[0]:
-                    main[i], ends[i] = [token], True
+                    main[i], ends[i], reasons[i] = [token], True, "model_end"
                     row.marker_tokens += m_e
                     continue
                 row.current.append(token)
                 row.hidden_used += 1
                 main[i] = [token]
-                at_limit = len(row.current) >= config.reflect_length or row.hidden_used >= config.budget_total
-                if peeks or at_limit:
+                if len(row.current) >= config.reflect_length:
+                    reasons[i] = "length"
+                elif row.hidden_used >= config.budget_total:
+                    reasons[i] = "budget"
+                if peeks or reasons[i]:
                     peek[i] = list(markers.end)
-                    ends[i] = at_limit
+                    ends[i] = bool(reasons[i])
                     if peeks:
                         row.peek_tokens += m_e
                     else:
@@ -471,11 +621,19 @@ def reflective_generate(
         if peek_logits is not None:
             peeked = [bool(p) for p in peek]
             idx = [i for i, p in enumerate(peeked) if p]
-            raw = _ban(peek_logits[idx], [_completing_ids(active[i].visible, visible_banned) for i in idx])
-            u_peek = uncertainty(policy_logprobs(raw, policy), config.gate, config.gate_top_k).tolist()
-            for j, i in enumerate(idx):
-                if peeks and u_peek[j] <= config.tau_stop:
-                    ends[i] = True
+            if peeks:
+                raw = _ban(peek_logits[idx], [_completing_ids(active[i].visible, visible_banned) for i in idx])
+                u_peek = uncertainty(policy_logprobs(raw, policy), config.gate, config.gate_top_k).tolist()
+                for j, i in enumerate(idx):
+                    if u_peek[j] > config.tau_stop:
+                        continue
+                    if stop_rule == "peek_agree":
+                        following = _ban(main_logits[i : i + 1], [_completing_ids(active[i].current, closing)])
+                        if not peek_agrees(
+                            tokenizer, active[i].current, raw[j], following[0], check_result, markers.end[0]
+                        ):
+                            continue
+                    ends[i], reasons[i] = True, "peek"
             keep = torch.as_tensor([p and e for p, e in zip(peeked, ends, strict=True)], device=last.device)
             last = torch.where(keep[:, None], peek_logits, last)
             state = settle_peeks(state, torch.as_tensor(peeked, device=last.device), keep, len(markers.end))
@@ -485,6 +643,7 @@ def reflective_generate(
                 if config.audit and peek[i]:
                     row.trace += peek[i]
                 row.result.reflection_lengths.append(len(row.current))
+                row.result.end_reasons.append(reasons[i])
                 row.hidden_mode, row.cooldown, row.since_reflection = False, config.cooldown, 0
 
         # --- compact finished rows out of the batch
@@ -529,7 +688,11 @@ def _finish(
 
 @dataclass
 class ReflectiveDecoder:
-    """`reflective` and its ablations (`reflective-periodic|random|fixed`, set by config.ablation)."""
+    """`reflective` and its ablations (`reflective-periodic|random|fixed`, set by config.ablation).
+
+    Besides the counts, each record keeps `trigger_points` (visible steps at a trigger point, which
+    `matched_ablations` needs to match the random ablation's rate) and the `end_reasons` of its reflections.
+    """
 
     name: str
     config: ReflectiveConfig
@@ -544,7 +707,7 @@ class ReflectiveDecoder:
             Decoded(r.text, r.token_ids, r.usage, {
                 "n_reflections": r.n_reflections, "hidden_tokens": r.hidden_tokens,
                 "delta_uncertainty": r.delta_uncertainty, "delta_nll": r.delta_nll,
-                "visible_tokens": len(r.token_ids),
+                "visible_tokens": len(r.token_ids), "trigger_points": sum(r.at_trigger), "end_reasons": r.end_reasons,
             })
             for r in results
         ]

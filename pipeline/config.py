@@ -22,6 +22,7 @@ import yaml
 from redumix.data.arith import CorpusSpec
 from redumix.data.chat import SPECIAL_TOKENS
 from redumix.data.task import TaskConfig
+from redumix.generate.cntp import CntpConfig
 from redumix.generate.moi import MoiConfig
 from redumix.generate.pdr import PdrConfig
 from redumix.generate.policy import SamplingPolicy
@@ -93,7 +94,12 @@ class BaseConfig:
         default=_CORPUS.weights["critique"],
         metadata={"help": "Weight of self-critique episodes."}
     )
-    mix_refine: float = field(default=_CORPUS.weights["refine"], metadata={"help": "Weight of PDR refine episodes."})
+    mix_refine: float = field(
+        default=_CORPUS.weights["refine"], metadata={"help": "Weight of PDR and SR refine episodes."}
+    )
+    mix_longhand: float = field(
+        default=_CORPUS.weights["longhand"], metadata={"help": "Weight of long-hand solutions (LONGHAND prompt)."}
+    )
     slip_rate: float = field(
         default=_CORPUS.slip_rate,
         metadata={"help": "Share of trained terse solutions with a slip."}
@@ -133,7 +139,7 @@ class BaseConfig:
         for name in ("slip_rate", "wrong_attempt_rate", "noisy_feedback_rate", "check_span_rate"):
             if not 0 <= getattr(self, name) <= 1:
                 problems.append(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        mix = [self.mix_solution, self.mix_reflection, self.mix_critique, self.mix_refine]
+        mix = [self.mix_solution, self.mix_reflection, self.mix_critique, self.mix_refine, self.mix_longhand]
         if min(mix) < 0 or sum(mix) <= 0:
             problems.append(f"mix_* weights must be >= 0 with a positive sum, got {mix}")
         if problems:
@@ -141,7 +147,7 @@ class BaseConfig:
 
     def corpus_spec(self) -> CorpusSpec:
         weights = {"solution": self.mix_solution, "reflection": self.mix_reflection, "critique": self.mix_critique,
-                   "refine": self.mix_refine}
+                   "refine": self.mix_refine, "longhand": self.mix_longhand}
         return CorpusSpec(weights, self.slip_rate, self.wrong_attempt_rate, self.noisy_feedback_rate,
                           self.check_span_rate)
 
@@ -160,21 +166,29 @@ class HarvestConfig:
 
 
 DEFAULT_DECODERS = [
-    "greedy", "sample", "redumix-oracle@1", "redumix-oracle", "redumix-oracle@0", "redumix-self", "moi", "pdr", "sr",
-    "reflective", "reflective-periodic", "reflective-random", "reflective-fixed",
+    "greedy", "sample", "longhand", "redumix-oracle@1", "redumix-oracle", "redumix-oracle@0", "redumix-self", "moi",
+    "cntp", "vote", "pdr", "sr", "reflective", "reflective-periodic", "reflective-random", "reflective-fixed",
 ]
 
 
 @dataclass
 class EvalConfig:
-    n: int = field(default=500, metadata={"help": "Held-out examples for greedy decoding."})
-    n_other: int = field(default=200, metadata={"help": "Held-out examples for every other decoder (costlier)."})
+    n: int = field(default=1000, metadata={"help": "Held-out examples for greedy decoding."})
+    n_other: int = field(
+        default=500,
+        metadata={"help": "Held-out examples for every other decoder (costlier), each paired with greedy on them."},
+    )
     split: Literal["train", "test"] = field(default="test", metadata={"help": "Task split to evaluate on."})
     batch_size: int = field(default=32, metadata={"help": "Examples decoded together."})
     decoders: list[str] = field(
         default_factory=lambda: list(DEFAULT_DECODERS),
         metadata={"help": "Decoders to run, by name (pipeline/eval.py's DECODERS; `redumix-oracle@λ` sets λ). "
                   "An ablation `reflective-*` is matched to `reflective`, which must come before it."},
+    )
+    tuned_decoders: list[str] = field(
+        default_factory=list,
+        metadata={"help": "The decoders run on the tuned checkpoint; [] = eval.decoders. A subset keeps `make eval` "
+                  "within its time budget."},
     )
     checkpoints: list[Literal["base", "tuned"]] = field(
         default_factory=lambda: ["base", "tuned"],
@@ -202,6 +216,7 @@ class Config:
     sampling: SamplingPolicy = field(default_factory=SamplingPolicy)
     redumix: RedumixConfig = field(default_factory=RedumixConfig)
     moi: MoiConfig = field(default_factory=MoiConfig)
+    cntp: CntpConfig = field(default_factory=CntpConfig)
     pdr: PdrConfig = field(default_factory=PdrConfig)
     reflective: ReflectiveConfig = field(default_factory=ReflectiveConfig)
     harvest: HarvestConfig = field(default_factory=HarvestConfig)

@@ -3,6 +3,10 @@ each decoder buys (accuracy, with a 95% Wilson interval) and what it costs (toke
 
 Decoders, by name in `eval.decoders` (the `DECODERS` table below maps each name to one call):
   greedy, sample                     plain decoding (sample uses eval.sample_temperature)
+  longhand                           greedy, asked to work the long way (visible long-hand CoT)
+  vote[@N]                           self-consistency: N sampled answers (pdr.drafts, pdr.draft_temperature), majority
+  cntp                               Cautious Next Token Prediction: where entropy is high, sample trials up to the
+                                     next punctuation and keep the lowest-perplexity one (visible steps greedy)
   redumix-oracle[@λ], redumix-self   ReDuMix with verifier feedback (it knows the answer, hence "oracle") or the
                                      model's own critique; `@λ` overrides redumix.lam, for the λ sweep
   moi                                Mixture of Inputs
@@ -27,6 +31,7 @@ from pathlib import Path
 
 from redumix.data.task import Task
 from redumix.data.tasks import make_task
+from redumix.generate.cntp import CntpDecoder
 from redumix.generate.decoder import Decoder, fingerprint
 from redumix.generate.model_io import load_model
 from redumix.generate.moi import MoiDecoder
@@ -71,6 +76,17 @@ def _redumix(feedback: str) -> DecoderFactory:
     return make
 
 
+def _vote(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decoder:
+    """Self-consistency at PDR's N and draft temperature: PDR with no refine round is exactly a majority vote."""
+    _, at, count = name.partition("@")
+    drafts = config.pdr.drafts
+    if at:
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"eval.decoders: {name!r}: N must be a whole number >= 1")
+        drafts = int(count)
+    return PdrDecoder(name, dataclasses.replace(config.pdr, drafts=drafts, rounds=0), config.sampling, config.seed)
+
+
 def _matched(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decoder:
     """An ablation of the gated reflective run, matched to its hidden budget."""
     gated = earlier.get("reflective")
@@ -79,7 +95,8 @@ def _matched(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decod
     visible = sum(r["extra"]["visible_tokens"] for r in gated)
     reflections = sum(r["extra"]["n_reflections"] for r in gated)
     hidden = sum(r["extra"]["hidden_tokens"] for r in gated)
-    settings = matched_ablations(config.reflective, visible, reflections, hidden)[name]
+    points = sum(r["extra"]["trigger_points"] for r in gated)  # where a trigger could fire (trigger_after)
+    settings = matched_ablations(config.reflective, visible, reflections, hidden, points)[name]
     return ReflectiveDecoder(name, settings, config.sampling, config.seed)
 
 
@@ -90,6 +107,11 @@ DECODERS: dict[str, DecoderFactory] = {
     ),
     "redumix-oracle": _redumix("verifier"),
     "redumix-self": _redumix("self"),
+    "longhand": lambda c, name, _: PlainDecoder(
+        name, dataclasses.replace(c.sampling, temperature=0.0), c.seed, longhand=True
+    ),
+    "vote": _vote,
+    "cntp": lambda c, name, _: CntpDecoder(name, c.cntp, dataclasses.replace(c.sampling, temperature=0.0), c.seed),
     "moi": lambda c, name, _: MoiDecoder(name, c.moi, c.sampling, c.seed),
     "pdr": lambda c, name, _: PdrDecoder(name, c.pdr, c.sampling, c.seed),
     "sr": lambda c, name, _: PdrDecoder(name, dataclasses.replace(c.pdr, drafts=1), c.sampling, c.seed),
@@ -98,7 +120,7 @@ DECODERS: dict[str, DecoderFactory] = {
     "reflective-random": _matched,
     "reflective-fixed": _matched,
 }
-_TAKES_LAMBDA = ("redumix-oracle", "redumix-self")  # the only names that accept `@λ`
+SUFFIXES = {"redumix-oracle": "@λ", "redumix-self": "@λ", "vote": "@N"}  # the only names that take a suffix
 
 
 def check_decoder_names(names: list[str], table: dict[str, DecoderFactory]) -> None:
@@ -107,9 +129,10 @@ def check_decoder_names(names: list[str], table: dict[str, DecoderFactory]) -> N
     for name in names:
         family, at, _ = name.partition("@")
         if family not in table:
-            problems.append(f"unknown decoder {name!r} (known: {', '.join(table)}, redumix-oracle@λ)")
-        elif at and family not in _TAKES_LAMBDA:
-            problems.append(f"decoder {name!r}: only {', '.join(_TAKES_LAMBDA)} take an @λ suffix")
+            problems.append(f"unknown decoder {name!r} (known: {', '.join(table)}, redumix-oracle@λ, vote@N)")
+        elif at and family not in SUFFIXES:
+            takes = ", ".join(f"{k}{v}" for k, v in SUFFIXES.items())
+            problems.append(f"decoder {name!r}: only these take an @ suffix: {takes}")
     if problems:
         raise ValueError("eval.decoders: " + "; ".join(problems))
 
@@ -122,6 +145,7 @@ def run_eval(
 ) -> None:
     task = task or make_task(config.task, config.seed)
     check_decoder_names(config.eval.decoders, decoders)
+    check_decoder_names(config.eval.tuned_decoders, decoders)
     ensure_base(config, run)
     out = run.eval
     checkpoints = available_checkpoints(config, run)
@@ -136,7 +160,7 @@ def run_eval(
     for checkpoint, path in checkpoints.items():
         records = evaluate_checkpoint(config, run, task, decoders, checkpoint, path)
         for decoder, recs in records.items():
-            rows.append(summarize(checkpoint, decoder, recs))
+            rows.append(summarize(checkpoint, decoder, recs, greedy=records.get("greedy")))
             found = reflection_diagnostics(recs)
             if found is not None:
                 diagnostics[f"{checkpoint}/{decoder}"] = found
@@ -170,7 +194,7 @@ def evaluate_checkpoint(
     model_id = model_identity(path)
     examples = task.examples(config.eval.split, max(config.eval.n, config.eval.n_other))
     results: dict[str, list[dict]] = {}
-    for name in config.eval.decoders:
+    for name in decoders_for(config, checkpoint):
         decoder = decoders[name.partition("@")[0]](config, name, results)
         identity = f"{model_id}:{fingerprint(decoder)}:{task_fingerprint(config, task)}"
         count = config.eval.n if name == "greedy" else config.eval.n_other
@@ -186,6 +210,10 @@ def evaluate_checkpoint(
             desc=f"eval {checkpoint}/{name}",
         )
     return results
+
+
+def decoders_for(config: Config, checkpoint: str) -> list[str]:
+    return config.eval.tuned_decoders if checkpoint == "tuned" and config.eval.tuned_decoders else config.eval.decoders
 
 
 # --- fingerprints -------------------------------------------------------------------------------------------------

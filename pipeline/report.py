@@ -1,5 +1,10 @@
 """Eval's report: one row per (checkpoint, decoder) with accuracy and its 95% Wilson interval, tokens, FPE and wall
-time; Markdown for people, and a plot of accuracy against compute."""
+time; Markdown for people, and a plot of accuracy against compute.
+
+Each decoder's trade-off against greedy is reported twice. Paired: on the examples it shares with greedy on the same
+checkpoint, the accuracy difference with Newcombe's hybrid score interval for paired proportions, the examples it
+fixed and broke, McNemar's exact p-value and its FPE relative to greedy. Unpaired: the Pareto front of accuracy
+against mean FPE per checkpoint, drawn on the plot and listed in the Markdown."""
 
 from __future__ import annotations
 
@@ -20,7 +25,9 @@ def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float,
     return max(0.0, center - half), min(1.0, center + half)
 
 
-def summarize(checkpoint: str, decoder: str, records: list[dict]) -> dict[str, Any]:
+def summarize(checkpoint: str, decoder: str, records: list[dict], greedy: list[dict] | None = None) -> dict[str, Any]:
+    """One report row. With `greedy` (the greedy records of the same checkpoint) a decoder other than greedy also
+    gets the paired comparison of `paired_with_greedy`; without it, or when nothing pairs, those keys are absent."""
     n = len(records)
     right = sum(r["correct"] for r in records)
     low, high = wilson_interval(right, n)
@@ -51,7 +58,111 @@ def summarize(checkpoint: str, decoder: str, records: list[dict]) -> dict[str, A
     if extras and all("n_reflections" in x for x in extras):
         row["reflections_per_example"] = sum(r["extra"]["n_reflections"] for r in records) / max(n, 1)
         row["hidden_tokens_per_example"] = sum(r["extra"]["hidden_tokens"] for r in records) / max(n, 1)
+    if greedy and decoder != BASELINE:
+        row.update(paired_with_greedy(records, greedy))
     return row
+
+
+# --- paired comparison with greedy ----------------------------------------------------------------------------------
+
+BASELINE = "greedy"  # the decoder every other decoder is compared with, on the examples both scored
+
+
+def paired_with_greedy(records: list[dict], greedy: list[dict]) -> dict[str, Any]:
+    """A decoder against greedy on the examples both scored (matched by record id; greedy usually ran on more).
+
+    Pairing removes the between-example variance, so the interval is much narrower than comparing the two
+    unpaired Wilson intervals. Accuracy differences are fractions like `accuracy`; the Markdown shows points.
+    `fpe_vs_greedy` is the decoder's total FPE over greedy's on the same examples (None if greedy's is 0).
+    Empty when no example pairs up.
+    """
+    by_id = {g["id"]: g for g in greedy}
+    pairs = [(bool(r["correct"]), bool(by_id[r["id"]]["correct"]), r["fpe"], by_id[r["id"]]["fpe"])
+             for r in records if r["id"] in by_id]
+    if not pairs:
+        return {}
+    n = len(pairs)
+    both = sum(mine and theirs for mine, theirs, _, _ in pairs)
+    fixed = sum(mine and not theirs for mine, theirs, _, _ in pairs)
+    broken = sum(theirs and not mine for mine, theirs, _, _ in pairs)
+    low, high = newcombe_paired_interval(both, fixed, broken, n - both - fixed - broken)
+    greedy_fpe = sum(p[3] for p in pairs)
+    return {
+        "paired_n": n,
+        "vs_greedy": (fixed - broken) / n,
+        "vs_greedy_low": low,
+        "vs_greedy_high": high,
+        "vs_greedy_fixed": fixed,
+        "vs_greedy_broken": broken,
+        "mcnemar_p": mcnemar_exact_p(fixed, broken),
+        "fpe_vs_greedy": sum(p[2] for p in pairs) / greedy_fpe if greedy_fpe else None,
+    }
+
+
+def newcombe_paired_interval(
+    both: int, fixed: int, broken: int, neither: int, z: float = 1.959964
+) -> tuple[float, float]:
+    """95% interval for a difference of paired proportions, decoder − greedy = (fixed − broken) / n, by Newcombe's
+    hybrid score method (Newcombe 1998, Stat. Med. 17:2635-2650, method 10; also called "square-and-add").
+
+    Each accuracy gets its Wilson interval; the distances from each estimate to its limits are combined as for a
+    difference, but with the correlation φ of the paired outcomes, which narrows the interval when the two
+    decoders mostly agree. Closed form, stays inside [-1, 1], and is sane with no discordant pairs, unlike Wald.
+    The table: `both` right, `fixed` (decoder right, greedy wrong), `broken` (greedy right, decoder wrong), `neither`.
+    """
+    n = both + fixed + broken + neither
+    if n == 0:
+        return -1.0, 1.0
+    p1, p2 = (both + fixed) / n, (both + broken) / n
+    l1, u1 = wilson_interval(both + fixed, n, z)
+    l2, u2 = wilson_interval(both + broken, n, z)
+    phi = _paired_phi(both, fixed, broken, neither)
+    # max(0, .): with φ close to 1 rounding can make the sum of squares a hair negative.
+    below = math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    above = math.sqrt(max(0.0, (u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2))
+    return max(-1.0, p1 - p2 - below), min(1.0, p1 - p2 + above)
+
+
+def _paired_phi(both: int, fixed: int, broken: int, neither: int) -> float:
+    """φ of the paired 2x2 table with Newcombe's correction: a positive ad − bc shrinks by n/2 (never below 0), so
+    a weak positive association does not narrow the interval; 0 when a margin is empty."""
+    n = both + fixed + broken + neither
+    margins = (both + fixed) * (broken + neither) * (both + broken) * (fixed + neither)
+    if margins == 0:
+        return 0.0
+    association = both * neither - fixed * broken
+    if association > 0:
+        association = max(0.0, association - n / 2)
+    return association / math.sqrt(margins)
+
+
+def mcnemar_exact_p(fixed: int, broken: int) -> float:
+    """Two-sided exact McNemar p-value: under no difference each discordant pair is a fair coin, so the smaller
+    count is Binomial(fixed + broken, 1/2); the p-value doubles its lower tail (capped at 1; 1 with no discordant
+    pairs). Exact integer arithmetic, so it holds for thousands of pairs."""
+    m = fixed + broken
+    if m == 0:
+        return 1.0
+    tail = sum(math.comb(m, k) for k in range(min(fixed, broken) + 1))
+    return min(1.0, 2 * tail / 2**m)
+
+
+# --- the Pareto front -----------------------------------------------------------------------------------------------
+
+
+def pareto_front(rows: list[dict]) -> list[dict]:
+    """The rows no other row of the same checkpoint dominates, in their input order.
+
+    One row dominates another when its accuracy is at least as high and its mean FPE at most as high, and it is
+    strictly better in one of them: a decoder that matches another's accuracy at more compute is off the front.
+    Rows tied on both stay on it together. Point estimates only: the intervals are in the tables.
+    """
+    return [r for r in rows if not any(_dominates(o, r) for o in rows if o["checkpoint"] == r["checkpoint"])]
+
+
+def _dominates(a: dict, b: dict) -> bool:
+    no_worse = a["accuracy"] >= b["accuracy"] and a["mean_fpe"] <= b["mean_fpe"]
+    return no_worse and (a["accuracy"] > b["accuracy"] or a["mean_fpe"] < b["mean_fpe"])
 
 
 def _quantiles(values: list[float]) -> dict[str, float | int]:
@@ -102,6 +213,7 @@ def report_markdown(report: dict) -> str:
                 detail = (f"{r['reflections_per_example']:.2f} reflections and "
                           f"{r['hidden_tokens_per_example']:.1f} hidden tokens per example")
             lines.append(f"| {r['checkpoint']} | {r['decoder']} | {detail} |")
+    lines += _paired_markdown(report["rows"]) + _pareto_markdown(report["rows"])
     if report["diagnostics"]:
         lines += ["", "Reflection diagnostics (after − before each reflection; negative is better):", "",
                   "| run | reflections | Δ-uncertainty mean / p10 / p50 / p90 | Δ-NLL mean / p10 / p50 / p90 |",
@@ -116,7 +228,47 @@ def report_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _paired_markdown(rows: list[dict]) -> list[str]:
+    """The "vs greedy (paired)" table; nothing when no row was compared with greedy."""
+    paired = [r for r in rows if "vs_greedy" in r]
+    if not paired:
+        return []
+    lines = [
+        "", "vs greedy (paired): each decoder against greedy of the same checkpoint on the examples both scored "
+        "(matched by id). Δ accuracy in points, decoder − greedy, with the 95% Newcombe hybrid score interval for "
+        "paired proportions (Newcombe 1998, method 10); fixed = greedy wrong and decoder right, broke = the reverse; "
+        "McNemar's exact p on those discordant pairs; FPE × greedy is the decoder's FPE over greedy's on the same "
+        "examples.", "",
+        "| checkpoint | decoder | Δ accuracy (pts) | 95% CI (Newcombe) | fixed / broke | n paired | McNemar p | "
+        "FPE × greedy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in paired:
+        ratio = "–" if r["fpe_vs_greedy"] is None else f"{r['fpe_vs_greedy']:.2f}×"
+        lines.append(
+            f"| {r['checkpoint']} | {r['decoder']} | {100 * r['vs_greedy']:+.1f} | "
+            f"{100 * r['vs_greedy_low']:+.1f} to {100 * r['vs_greedy_high']:+.1f} | "
+            f"{r['vs_greedy_fixed']} / {r['vs_greedy_broken']} | {r['paired_n']} | {r['mcnemar_p']:.3g} | {ratio} |"
+        )
+    return lines
+
+
+def _pareto_markdown(rows: list[dict]) -> list[str]:
+    """One line per checkpoint naming the decoders on its accuracy-vs-FPE Pareto front, cheapest first."""
+    front = pareto_front(rows)
+    if not front:
+        return []
+    lines = ["", "Pareto front of accuracy against mean FPE (no other decoder of the checkpoint is at least as "
+             "accurate for no more FPE; point estimates, on each decoder's own examples), cheapest first:", ""]
+    for checkpoint in dict.fromkeys(r["checkpoint"] for r in front):
+        names = [r["decoder"] for r in sorted(front, key=lambda r: r["mean_fpe"]) if r["checkpoint"] == checkpoint]
+        lines.append(f"- {checkpoint}: {', '.join(names)}")
+    return lines
+
+
 def plot_accuracy_vs_fpe(rows: list[dict], path: Path) -> None:
+    """Accuracy (with its Wilson interval) against mean FPE, one colour per checkpoint; the decoders on the
+    checkpoint's Pareto front are filled and joined by a step line, the dominated ones hollow."""
     import io
 
     import matplotlib
@@ -125,26 +277,36 @@ def plot_accuracy_vs_fpe(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    for checkpoint, marker in (("base", "o"), ("tuned", "s")):
+    for i, checkpoint in enumerate(dict.fromkeys(r["checkpoint"] for r in rows)):
         points = [r for r in rows if r["checkpoint"] == checkpoint]
-        if not points:
-            continue
-        xs = [r["mean_fpe"] for r in points]
-        ys = [100 * r["accuracy"] for r in points]
-        below = [100 * (r["accuracy"] - r["ci_low"]) for r in points]
-        above = [100 * (r["ci_high"] - r["accuracy"]) for r in points]
-        errors = [below, above]
-        ax.errorbar(xs, ys, yerr=errors, fmt=marker, capsize=3, label=checkpoint, alpha=0.85)
-        for r, x, y in zip(points, xs, ys, strict=True):
-            ax.annotate(r["decoder"], (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+        _plot_checkpoint(ax, points, checkpoint, color=f"C{i}", marker="osD^v"[i % 5])
     ax.set_xscale("log")
     ax.set_xlabel("mean forward-pass equivalents per example (log scale)")
     ax.set_ylabel("accuracy (%), 95% Wilson interval")
-    ax.set_title("Accuracy against compute, per checkpoint and decoder")
+    ax.set_title("Accuracy against compute; filled and joined: the Pareto front")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     buffer = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buffer, format="png", dpi=120)
     plt.close(fig)
     atomic_write_bytes(path, buffer.getvalue())
+
+
+def _plot_checkpoint(ax: Any, points: list[dict], checkpoint: str, color: str, marker: str) -> None:
+    xs = [r["mean_fpe"] for r in points]
+    ys = [100 * r["accuracy"] for r in points]
+    below = [100 * (r["accuracy"] - r["ci_low"]) for r in points]
+    above = [100 * (r["ci_high"] - r["accuracy"]) for r in points]
+    ax.errorbar(xs, ys, yerr=[below, above], fmt="none", ecolor=color, capsize=3, alpha=0.6)
+    front = sorted(pareto_front(points), key=lambda r: r["mean_fpe"])
+    # A step after each front point: the best accuracy this checkpoint reaches for at most that much compute.
+    ax.step([r["mean_fpe"] for r in front], [100 * r["accuracy"] for r in front], where="post", color=color,
+            alpha=0.7, label=f"{checkpoint}: Pareto front")
+    dominated = [r for r in points if not any(r is f for f in front)]
+    for group, face, label in ((front, color, None), (dominated, "none", f"{checkpoint}: dominated")):
+        if group:
+            ax.scatter([r["mean_fpe"] for r in group], [100 * r["accuracy"] for r in group], marker=marker,
+                       facecolors=face, edgecolors=color, zorder=3, label=label)
+    for r, x, y in zip(points, xs, ys, strict=True):
+        ax.annotate(r["decoder"], (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)

@@ -21,14 +21,18 @@ from redumix.data.arith import (
     arith_problems,
     attempt_lines,
     corpus_episodes,
+    is_hard,
     long_hand,
     long_hand_solution,
     problems_in_buckets,
+    refine_checks,
     reflection_text,
+    slip,
     solution_text,
+    workspace_order,
 )
 from redumix.data.grading import extract_answer, is_correct
-from redumix.data.prompts import CRITIQUE, REDO, REFINE, REFLECT
+from redumix.data.prompts import CRITIQUE, LONGHAND, REDO, REFINE, REFLECT
 from redumix.data.task import TaskConfig
 from redumix.data.tasks import make_task
 
@@ -151,7 +155,7 @@ def test_corpus_episodes_use_the_pipeline_turns():
     episodes = list(itertools.islice(corpus_episodes(TaskConfig(), spec, seed=0), 400))
     assert episodes == list(itertools.islice(corpus_episodes(TaskConfig(), spec, seed=0), 400))
     kinds = {e.kind for e in episodes}
-    assert kinds == {"solution", "reflection", "critique", "refine"}
+    assert kinds == {"solution", "reflection", "critique", "refine", "longhand"}
     for e in episodes:
         roles = [m["role"] for m in e.messages]
         assert roles[0] == "user" and roles[-1] == "assistant"
@@ -161,9 +165,14 @@ def test_corpus_episodes_use_the_pipeline_turns():
             assert e.messages[2]["content"].endswith(REFLECT) and e.messages[4]["content"] == REDO
             assert e.messages[2]["content"].startswith("Your final answer ")
             assert e.trained == (3, 5)  # the (possibly wrong) attempt is context only
-        if e.kind in ("reflection", "refine"):
-            problem_answer = solve_from_text(e.messages[0]["content"].split("\nEarlier solutions:")[0])
-            assert is_correct(final, str(problem_answer))
+        if e.kind in ("reflection", "refine", "longhand"):
+            question = e.messages[0]["content"].split("\nEarlier solutions:")[0].removesuffix("\n" + LONGHAND)
+            assert is_correct(final, str(solve_from_text(question)))
+        if e.kind == "longhand":
+            assert e.messages[0]["content"].endswith("\n" + LONGHAND) and final.count(":") >= 2
+        if e.kind in ("refine", "longhand", "reflection"):
+            for a, o, b, r in LINE.findall(final):  # every line the model is taught to write is right
+                assert eval(f"{a} {o} {b}") == int(r)
         if e.kind == "critique":
             assert e.messages[2]["content"] == CRITIQUE
             assert re.fullmatch(r"Your final answer -?\d+ is (correct|wrong)\.", final)
@@ -175,11 +184,64 @@ def test_corpus_episodes_use_the_pipeline_turns():
 
 def test_hidden_check_spans_are_placed_after_equals_and_right():
     spec = CorpusSpec(weights={"solution": 1.0}, slip_rate=0.0, check_span_rate=1.0)
+    found = 0
     for episode in itertools.islice(corpus_episodes(TaskConfig(), spec, seed=0), 50):
         text = episode.messages[1]["content"]
         spans = re.findall(r"(\d+) ([-+*]) (\d+) = " + re.escape(REFLECT_OPEN) + r"(.*?)" + re.escape(REFLECT_CLOSE)
                            + r"(\d+)", text)
-        assert spans and len(spans) == text.count(REFLECT_OPEN)
+        assert len(spans) == text.count(REFLECT_OPEN)
+        found += len(spans)
         for a, op, b, check, result in spans:
             assert int(result) == eval(f"{a} {op} {b}")
             assert check == long_hand(int(a), op, int(b))
+    assert found > 50
+
+
+def _line_rates(spec: CorpusSpec, seen, n: int = 3000) -> tuple[float, float]:
+    """(share of hard lines with the property, share of easy lines with it) over n solution episodes."""
+    counts = {True: [0, 0], False: [0, 0]}
+    for episode in itertools.islice(corpus_episodes(TaskConfig(), spec, seed=1), n):
+        for line in episode.messages[1]["content"].splitlines()[:-1]:
+            a, op, b = re.match(r"(-?\d+) ([-+*]) (\d+) = ", line).groups()
+            hard = is_hard(int(a), op, int(b))
+            counts[hard][0] += seen(line, int(a), op, int(b))
+            counts[hard][1] += 1
+    return counts[True][0] / counts[True][1], counts[False][0] / counts[False][1]
+
+
+def test_check_spans_fall_mostly_on_hard_lines_and_slips_do_not():
+    """Training puts checks where a carry, a borrow or a two-digit product makes the terse line unsure."""
+    checks = CorpusSpec(weights={"solution": 1.0}, slip_rate=0.0, check_span_rate=0.2)
+    hard, easy = _line_rates(checks, lambda line, *_: REFLECT_OPEN in line)
+    assert hard > 3 * easy > 0
+    slips = CorpusSpec(weights={"solution": 1.0}, slip_rate=1.0, check_span_rate=0.0)
+    hard, easy = _line_rates(slips, lambda line, a, op, b: int(line.rsplit(" ", 1)[1]) != eval(f"{a} {op} {b}"))
+    assert 0.5 < hard / easy < 2
+
+
+def test_refine_checks_spend_long_hand_where_the_drafts_disagree():
+    problem = Problem(12, (Step("+", 9), Step("*", 3)))  # 12 + 9 = 21, 21 * 3 = 63
+    right = attempt_lines(problem, random.Random(0))
+    wrong = [right[0], slip(random.Random(3), right[1])]
+    assert wrong[1].result != 63
+    text = refine_checks(problem, workspace_order([wrong, right, wrong]))
+    assert text.splitlines() == [
+        "I check Solution 1 line by line.",
+        "Line 1: 12 + 9 = 21. All agree.",
+        f"Line 2: 21 * 3: {long_hand(21, '*', 3)}. Wrong, I wrote {wrong[1].result}.",
+    ]
+    # One draft is Sequential Refinement: every line is checked the long way.
+    alone = refine_checks(problem, [right]).splitlines()
+    assert alone[1] == f"Line 1: 12 + 9: {long_hand(12, '+', 9)}. Right." and alone[2].endswith("Right.")
+    # Two wrong drafts that agree on line 2 still get it checked, since they are wrong.
+    assert "Wrong" in refine_checks(problem, [wrong, wrong])
+
+
+def test_workspace_order_ranks_answers_by_votes_like_pdr():
+    problem = Problem(12, (Step("+", 9), Step("*", 3)))
+    right = attempt_lines(problem, random.Random(0))
+    wrong = [right[0], slip(random.Random(3), right[1])]
+    assert workspace_order([right, wrong, wrong]) == [wrong, right]
+    assert workspace_order([right, wrong]) == [right, wrong]
+
+

@@ -101,11 +101,11 @@ def test_encoded_episodes_match_the_template_and_mask_the_reflect_marker(tokeniz
         end_id = tokenizer.convert_tokens_to_ids(END)
         assert doc_ids[trained][-1] == end_id
     assert saw_span
-    input_ids, labels, positions = pack_rows(docs, 512, tokenizer.pad_token_id)
+    input_ids, labels, positions = pack_rows(docs, 1024, tokenizer.pad_token_id)  # room for the longest refine
     total = sum(len(d) for d, _ in docs)
     assert int((input_ids != tokenizer.pad_token_id).sum()) == total  # nothing dropped, nothing cut
     assert int((labels != -100).sum()) == sum(int(t.sum()) for _, t in docs)
-    assert input_ids.shape[1] == 512 and len(input_ids) < len(docs)
+    assert input_ids.shape[1] == 1024 and len(input_ids) < len(docs)
     starts = (input_ids == tokenizer.convert_tokens_to_ids(USER)).sum()
     assert starts >= len(docs)  # whole episodes: each still opens with its user turn
 

@@ -41,7 +41,8 @@ def test_reported_fpe_equals_forward_counter_for_every_decoder(decoder, model_di
     earlier = {}
     if decoder.startswith("reflective-"):
         earlier["reflective"] = [
-            {"extra": {"visible_tokens": 6, "n_reflections": 1, "hidden_tokens": 3}} for _ in examples
+            {"extra": {"visible_tokens": 6, "n_reflections": 1, "hidden_tokens": 3, "trigger_points": 2}}
+            for _ in examples
         ]
     decode = DECODERS[decoder.partition("@")[0]](config, decoder, earlier)
     with ForwardCounter(model) as counter:

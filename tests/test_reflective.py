@@ -1,9 +1,14 @@
 """Reflective decoding: plain decoding when the gate never fires, markers never visible, FPE equal to the forward
-counter, peeks that leave the main cache as it was, and the gate/budget rules of the seed (sections 3.2-3.6)."""
+counter for every stop rule, peeks that leave the main cache as it was, the gate/budget rules of the seed (sections
+3.2-3.6), the stop rules (end_marker, peek, peek_agree) and trigger points, and the tuning that chooses them."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,29 +16,49 @@ from transformers import PreTrainedTokenizerFast
 
 from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages
-from redumix.generate.accounting import ForwardCounter
+from redumix.generate.accounting import ForwardCounter, Usage
 from redumix.generate.plain import generate_batch
 from redumix.generate.policy import SamplingPolicy
 from redumix.generate.reflective import (
+    STOP_RULES,
     ReflectiveConfig,
+    ReflectiveResult,
+    at_trigger_point,
+    peek_agrees,
     reflective_generate,
     resolve_markers,
     settle_peeks,
     step_with_peek,
     uncertainty,
 )
-from redumix.generate.reflective_tuning import calibrate_tau, matched_ablations
+from redumix.generate.reflective_tuning import calibrate_tau, choose_stop, matched_ablations
 from redumix.generate.state import clone, prefill
+from redumix.pipeline import calibrate
+from redumix.pipeline.config import load_config
+from redumix.pipeline.run import RunDir
 from tests.conftest import build_tiny_model, build_tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 QUESTIONS = ["What is 2 + 3?", "Tom has 7 apples and eats 2. How many are left?", "9 * 4 = ?"]
 SAMPLED = SamplingPolicy(temperature=1.0, top_p=0.9, max_new_tokens=16)
 GREEDY = SamplingPolicy(temperature=0.0, max_new_tokens=16)
 # Reflections on every other visible token: the random model's u is near 1 everywhere, so the gate alone would fire
-# once and (hysteresis) never re-arm.
+# once and (hysteresis) never re-arm. Sampled hidden tokens and the peek stop that never fires (τ_stop < 0), so
+# that reflections end at their length or on a sampled R_END.
 OFTEN = ReflectiveConfig(
-    ablation="random", random_rate=0.5, cooldown=0, reflect_length=3, budget_total=9, tau_stop=-1.0
+    ablation="random", random_rate=0.5, cooldown=0, reflect_length=3, budget_total=9, tau_stop=-1.0, stop="peek",
+    reflect_temperature=1.0,
 )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run on one thread: a second only adds sync cost (on 2 busy shared cores, ~60 ms a forward vs 4)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _prompts(tokenizer, questions=QUESTIONS) -> list[list[int]]:
@@ -103,41 +128,46 @@ def test_markers_never_leak_across_1000_sampled_generations(tiny_chat_model):
     model, tokenizer = tiny_chat_model
     markers = resolve_markers(tokenizer, OFTEN)
     assert markers.source == "named" and markers.single_ids
-    hash_id = tokenizer.convert_tokens_to_ids("#")
-    prompts = _prompts(tokenizer, [f"{i % 17}+{i % 5}=?" for i in range(500)])
+    hash_id, eq_id = tokenizer.convert_tokens_to_ids("#"), tokenizer.convert_tokens_to_ids("=")
+    start, end = markers.start[0], markers.end[0]
+    prompts = _prompts(tokenizer, [f"{i % 17}+{i % 5}=?" for i in range(250)])
     policy = SamplingPolicy(temperature=1.0, top_p=0.95, max_new_tokens=6)
-    # Half the runs: the model wants R_START and '#'; the other half it also wants R_END (and may not end on it).
+    hidden_only = dataclasses.replace(OFTEN, reflection_only_tokens=["#"])
+    # 4 x 250 runs. The model wants R_START and '#' (peek stop); it also wants R_END but may not end on it; it
+    # wants R_END a little and '=' (visible) a lot, with each stop rule that needs it: end_marker, and peek_agree with
+    # a peek that is always confident, both only at the trigger point "==" (two tokens).
+    at_points = dataclasses.replace(hidden_only, trigger_after=["=="], tau_stop=1.0)
     runs = [
-        ([markers.start[0], hash_id], dataclasses.replace(OFTEN, reflection_only_tokens=["#"])),
-        (
-            [markers.start[0], markers.end[0], hash_id],
-            dataclasses.replace(OFTEN, reflection_only_tokens=["#"], model_may_end=False),
-        ),
+        ({start: 30.0, hash_id: 30.0}, hidden_only),
+        ({start: 30.0, end: 30.0, hash_id: 30.0}, dataclasses.replace(hidden_only, model_may_end=False)),
+        ({start: 30.0, end: 3.0, hash_id: 2.0, eq_id: 5.0}, dataclasses.replace(at_points, stop="end_marker")),
+        ({start: 30.0, end: 3.0, hash_id: 2.0, eq_id: 5.0}, dataclasses.replace(at_points, stop="peek_agree")),
     ]
     results = []
     for boosted, config in runs:
-        handle = _boost(model, boosted, 30.0)
+        handles = [_boost(model, [token], amount) for token, amount in boosted.items()]
         try:
-            results += reflective_generate(
-                model,
-                tokenizer,
-                prompts,
-                policy,
-                list(range(500)),
-                [tokenizer.eos_token_id],
-                tokenizer.pad_token_id,
+            batch = reflective_generate(
+                model, tokenizer, prompts, policy, list(range(250)), [tokenizer.eos_token_id], tokenizer.pad_token_id,
                 config,
             )
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
+        assert sum(r.n_reflections for r in batch) > 150 and sum(r.hidden_tokens for r in batch) > 150
+        if config.trigger_after:
+            texts = [tokenizer.decode(r.token_ids[:p], skip_special_tokens=True) for r in batch for p in
+                     r.reflection_positions]
+            assert all(text.endswith("==") for text in texts)
+        results += batch
     assert len(results) == 1000
-    forbidden = {markers.start[0], markers.end[0], hash_id}
+    forbidden = {start, end, hash_id}
     for r in results:
         assert not forbidden & set(r.token_ids)
         assert "<|reflect|>" not in r.text and "<|/reflect|>" not in r.text and "#" not in r.text
         assert r.audit_ids == [] and r.audit_text == ""
-    assert sum(r.n_reflections for r in results) > 1000
-    assert sum(r.hidden_tokens for r in results) > 1000
+    reasons = Counter(reason for r in results[500:] for reason in r.end_reasons)
+    assert reasons["model_end"] > 0 and reasons["length"] > 0
 
 
 def test_audit_flag_shows_the_hidden_spans(tiny_chat_model):
@@ -182,47 +212,74 @@ def test_marker_fallbacks_reserved_then_stable_sequence(tiny_chat_model):
 # --- accounting -------------------------------------------------------------------------------------------------
 
 
+TRIGGERS = list("aeiou0123456789 ")  # common enough in the random model's text to trigger often
+
+
 @pytest.mark.parametrize("ablation", ["gate", "periodic", "random", "fixed"])
+@pytest.mark.parametrize("stop", STOP_RULES)
 @pytest.mark.parametrize("dual_path", [True, False])
-def test_fpe_equals_the_forward_counter(tiny_llama_chat_model, ablation, dual_path):
+def test_fpe_equals_the_forward_counter(tiny_llama_chat_model, ablation, stop, dual_path):
     model, tokenizer = tiny_llama_chat_model
+    trigger_after = TRIGGERS if ablation in ("periodic", "random") or stop == "peek_agree" else []
     prompts = _prompts(tokenizer)
-    stop = _stop_ids(model, tokenizer, prompts)
+    stop_ids = _stop_ids(model, tokenizer, prompts)
     config = ReflectiveConfig(
         ablation=ablation,
+        stop=stop,
+        trigger_after=trigger_after,
         dual_path=dual_path,
         tau_high=0.5,
         tau_low=0.5,
+        tau_stop=0.999,
         period=3,
         random_rate=0.3,
         cooldown=1,
         reflect_length=4,
         budget_total=10,
-        model_may_end=False,
+        reflect_temperature=1.0,
     )
-    with ForwardCounter(model) as counter:
-        results = reflective_generate(
-            model, tokenizer, prompts, SAMPLED, [1, 2, 3], stop, tokenizer.pad_token_id, config
-        )
+    r_end = resolve_markers(tokenizer, config).end[0]
+    handle = _boost(model, [r_end], 4.0)  # the model sometimes ends a reflection itself
+    try:
+        with ForwardCounter(model) as counter:
+            results = reflective_generate(
+                model, tokenizer, prompts, SAMPLED, [1, 2, 3], stop_ids, tokenizer.pad_token_id, config
+            )
+        with ForwardCounter(model) as alone_counter:  # per example, on its own: the counter agrees as well
+            (alone,) = reflective_generate(
+                model, tokenizer, prompts[1:2], SAMPLED, [2], stop_ids, tokenizer.pad_token_id, config
+            )
+    finally:
+        handle.remove()
     assert counter.tokens == sum(r.usage.fpe for r in results)
+    assert alone_counter.tokens == alone.usage.fpe
     assert sum(r.n_reflections for r in results) > 0
+    reasons = Counter(reason for r in results for reason in r.end_reasons)
+    if ablation != "fixed":
+        assert reasons["model_end"] > 0  # the boosted R_END is the model's own end, under every stop rule
+    peeks = stop in ("peek", "peek_agree") and ablation != "fixed"
     m_s = m_e = 1
     for r, prompt in zip(results, prompts, strict=True):
         visible_fed = len(r.token_ids) - 1  # the last visible token (stop or cap) never goes through the model
-        peeks = r.hidden_tokens * m_e if ablation != "fixed" else 0
-        assert r.usage.fpe == len(prompt) + visible_fed + r.hidden_tokens + peeks + r.n_reflections * (
-            m_s + (m_e if ablation == "fixed" else 0)
+        model_ends = r.end_reasons.count("model_end")
+        assert len(r.end_reasons) == len(r.reflection_lengths) == r.n_reflections
+        assert r.peek_tokens == (r.hidden_tokens * m_e if peeks else 0)
+        assert r.usage.fpe == len(prompt) + visible_fed + r.hidden_tokens + r.peek_tokens + r.n_reflections * m_s + (
+            model_ends * m_e if peeks else r.n_reflections * m_e
         )
         assert r.hidden_tokens <= config.budget_total
         assert all(n <= config.reflect_length for n in r.reflection_lengths)
-        if ablation == "fixed":
+        for n, reason in zip(r.reflection_lengths, r.end_reasons, strict=True):
+            assert reason != "length" or n == config.reflect_length
+        if ablation == "fixed":  # no stop of any kind, whatever `stop` says
+            assert set(r.end_reasons) <= {"length", "budget"}
             assert all(n == config.reflect_length for n in r.reflection_lengths[:-1])
-    # Per example, on its own: the counter agrees as well.
-    with ForwardCounter(model) as counter:
-        (alone,) = reflective_generate(
-            model, tokenizer, prompts[1:2], SAMPLED, [2], stop, tokenizer.pad_token_id, config
-        )
-    assert counter.tokens == alone.usage.fpe
+        elif stop == "end_marker":  # no peeks at all
+            assert set(r.end_reasons) <= {"model_end", "length", "budget"}
+        else:
+            assert set(r.end_reasons) <= {"peek", "model_end", "length", "budget"}
+        if trigger_after:
+            assert all(at_trigger_point(tokenizer, r.token_ids[:p], trigger_after) for p in r.reflection_positions)
 
 
 # --- peeks ------------------------------------------------------------------------------------------------------
@@ -282,6 +339,7 @@ def test_dual_path_and_sequential_peeks_decode_the_same(tiny_llama_chat_model):
         ablation="periodic",
         period=2,
         cooldown=0,
+        stop="peek",
     )
     runs = [
         reflective_generate(
@@ -324,12 +382,14 @@ def test_hysteresis_cooldown_and_budgets(tiny_chat_model):
     assert all(r.reflection_positions == [0] for r in once)
     assert all(len(r.delta_uncertainty) == len(r.delta_nll) == 1 for r in once)
     periodic = ReflectiveConfig(
-        ablation="periodic", period=1, cooldown=3, reflect_length=2, budget_total=5, tau_stop=-1.0, model_may_end=False
+        ablation="periodic", period=1, cooldown=3, reflect_length=2, budget_total=5, tau_stop=-1.0, stop="peek",
+        model_may_end=False,
     )
     for r in reflective_generate(model, tokenizer, prompts, SAMPLED, [1, 2, 3], [-1], pad, periodic):
         gaps = [b - a for a, b in zip(r.reflection_positions, r.reflection_positions[1:], strict=False)]
         assert all(g >= 3 for g in gaps)
         assert r.hidden_tokens == 5 and r.reflection_lengths == [2, 2, 1]
+        assert r.end_reasons == ["length", "length", "budget"]
         assert len(r.token_ids) == SAMPLED.max_new_tokens
 
 
@@ -359,3 +419,300 @@ def test_calibration_hits_its_target_and_ablations_match_the_budget(tiny_chat_mo
     rate = sum(r.n_reflections for r in gated) / sum(len(r.token_ids) for r in gated)
     assert ablations["reflective-random"].random_rate == pytest.approx(rate)
     assert ablations["reflective-fixed"].ablation == "fixed"
+
+
+# --- settings ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("settings", "field_name"),
+    [
+        ({"stop": "peak"}, "stop"),
+        ({"check_result": r"=\s*(\d+"}, "check_result"),
+        ({"check_result": r"=\s*\d+$"}, "check_result"),
+        ({"check_result": r"(\d+) = (\d+)$"}, "check_result"),
+        ({"trigger_after": [" = ", ""]}, "trigger_after"),
+        ({"stop": "end_marker", "model_may_end": False}, "model_may_end"),
+    ],
+)
+def test_bad_settings_are_rejected_naming_the_field(settings, field_name):
+    with pytest.raises(ValueError, match=field_name):
+        ReflectiveConfig(**settings)
+
+
+def test_default_settings():
+    config = ReflectiveConfig()
+    assert (config.stop, config.reflect_temperature, config.reflect_length, config.budget_total) == (
+        "end_marker", 0.0, 48, 128
+    )
+    assert config.trigger_after == [] and re.compile(config.check_result).groups == 1
+    ReflectiveConfig(stop="end_marker", model_may_end=False, ablation="fixed")  # fixed has no stop: allowed
+
+
+def test_end_marker_needs_single_id_markers():
+    plain = _char_tokenizer([])  # no single-id markers: the stable-sequence fallback
+    model = build_tiny_model(plain, seed=3)
+    prompts, pad = _prompts(plain)[:1], plain.pad_token_id
+    with pytest.raises(ValueError, match="stop=peek"):
+        reflective_generate(model, plain, prompts, GREEDY, [0], [-1], pad, ReflectiveConfig(stop="end_marker"))
+    (r,) = reflective_generate(model, plain, prompts, GREEDY, [0], [-1], pad, dataclasses.replace(OFTEN, stop="peek"))
+    assert r.n_reflections > 0
+
+
+# --- stop rules -------------------------------------------------------------------------------------------------
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _one_hot(tokenizer, token: str) -> torch.Tensor:
+    logits = torch.zeros(len(tokenizer))
+    logits[tokenizer.convert_tokens_to_ids(token)] = 10.0
+    return logits
+
+
+def test_peek_agrees_only_on_a_finished_check_whose_result_the_peek_begins(tiny_tokenizer):
+    tok = tiny_tokenizer
+    end_id = tok.convert_tokens_to_ids("<|/reflect|>")
+    pattern = re.compile(ReflectiveConfig().check_result)
+
+    def agrees(span: str, peek: str, following: str, check=pattern) -> bool:
+        return peek_agrees(tok, _ids(tok, span), _one_hot(tok, peek), _one_hot(tok, following), check, end_id)
+
+    assert agrees("9 * 3 = 27", "2", "<|/reflect|>")  # finished (R_END next), the peek begins 27
+    assert agrees("9 * 3 = 27", "2", "\n")  # a line break also closes the check
+    assert agrees("9 * 3 = 27 ", "2", "<|end|>")  # any special token does; trailing space is fine
+    assert not agrees("9 * 3 = 27", "5", "<|/reflect|>")  # the peek disagrees with the check
+    assert not agrees("9 * 3 = 27", "7", "<|/reflect|>")  # a suffix is not a prefix
+    assert not agrees("9 * 3 = 27", " ", "<|/reflect|>")  # an empty (whitespace) guess agrees with nothing
+    assert not agrees("9 * 3 = 2", "2", "7")  # the number goes on: not finished
+    assert not agrees("9 * 3 = 27", "2", ",")  # another step of the check follows (the copy trap at `16 - 0 = 16,`)
+    assert not agrees("9 * 3 = ", "2", "<|/reflect|>")  # no result yet
+    assert not agrees("2", "2", "<|/reflect|>")  # a one-digit junk span is no check (the copy trap)
+    assert agrees("so: 27", "2", "<|/reflect|>", re.compile(r":\s*(\d+)$"))  # the pattern decides what a check is
+    assert not agrees("so: 27", "2", "<|/reflect|>")
+
+
+# After `after` the scripted model writes `then` (a +50 logit over the random model's own): "9*3=27" lines.
+SCRIPT = {"<|assistant|>": "9", "9": "*", "*": "3", "3": "=", "=": "2", "2": "7", "7": "\n", "\n": "9",
+          "<|reflect|>": "9", "<|/reflect|>": "2"}
+
+
+def _script(model, tokenizer, table: dict[str, str]):
+    """A hook that makes `model` a bigram machine on `table`: the token after a listed token is its entry."""
+    pairs = [(tokenizer.convert_tokens_to_ids(a), tokenizer.convert_tokens_to_ids(b)) for a, b in table.items()]
+
+    def hook(module, args, kwargs, output):
+        inputs = kwargs["input_ids"][:, -output.logits.shape[1] :]
+        logits = output.logits.clone()
+        for after, then in pairs:
+            logits[..., then] += 50.0 * (inputs == after)
+        output.logits = logits
+        return output
+
+    return model.register_forward_hook(hook, with_kwargs=True)
+
+
+@pytest.mark.parametrize(
+    ("stop", "changes", "reason", "length"),
+    [
+        ("end_marker", {}, "length", 10),  # the script never writes R_END
+        ("peek", {}, "peek", 1),  # the sure peek ends the span after one hidden token
+        ("peek_agree", {}, "peek", 6),  # ... but agrees only once `9*3=27` is written and the line ends
+        ("peek_agree", {"7": ",", ",": "9"}, "length", 10),  # `27,` goes on: never finished
+        ("peek_agree", {"<|/reflect|>": "5", "5": "7"}, "length", 10),  # the peek says 5, the check 27: no
+    ],
+)
+def test_stop_rules_on_a_scripted_model(tiny_chat_model, stop, changes, reason, length):
+    model, tokenizer = tiny_chat_model
+    config = ReflectiveConfig(
+        ablation="periodic", period=1, cooldown=0, trigger_after=["3="], stop=stop, tau_stop=0.5, reflect_length=10,
+        budget_total=40, audit=True,
+    )
+    policy = SamplingPolicy(temperature=0.0, max_new_tokens=14)
+    handle = _script(model, tokenizer, {**SCRIPT, **changes})
+    try:
+        results = reflective_generate(
+            model, tokenizer, _prompts(tokenizer)[:2], policy, [0, 1], [-1], tokenizer.pad_token_id, config
+        )
+    finally:
+        handle.remove()
+    for r in results:
+        assert r.reflection_positions == [4, 11]  # after each "9*3=" of "9*3=27\n9*3=", at the trigger point
+        assert r.end_reasons == [reason, reason] and r.reflection_lengths == [length, length]
+        assert r.peek_tokens == (0 if stop == "end_marker" else r.hidden_tokens)
+        spans = re.findall(r"<\|reflect\|>(.*?)<\|/reflect\|>", r.audit_text, flags=re.S)
+        assert len(spans) == 2 and all(len(span) == length for span in spans)
+        if (stop, reason) == ("peek_agree", "peek"):
+            assert spans == ["9*3=27", "9*3=27"]
+        assert r.text.startswith("9*3=")
+        assert "<|reflect|>" not in r.text
+
+
+# --- trigger points ---------------------------------------------------------------------------------------------
+
+
+def test_reflections_start_only_at_trigger_points(tiny_chat_model):
+    model, tokenizer = tiny_chat_model
+    prompts = _prompts(tokenizer, [f"{i} + {i + 1} = ?" for i in range(8)])
+    triggers = [" = ", "=="]  # several tokens each (characters here)
+    policy = SamplingPolicy(temperature=1.0, top_p=0.9, max_new_tokens=24)
+    base = ReflectiveConfig(
+        trigger_after=triggers, stop="peek", tau_stop=-1.0, reflect_length=2, budget_total=20, cooldown=0,
+        reflection_only_tokens=["#"], reflect_temperature=1.0,
+    )
+    configs = {
+        "gate": dataclasses.replace(base, tau_high=0.3, tau_low=0.3),
+        "periodic": dataclasses.replace(base, ablation="periodic", period=3),
+        "random": dataclasses.replace(base, ablation="random", random_rate=0.7),
+        "never": dataclasses.replace(base, ablation="periodic", period=1, trigger_after=["#"]),  # '#' is never visible
+    }
+    ids = [tokenizer.convert_tokens_to_ids(c) for c in " ="]
+    handle = _boost(model, ids, 6.0)  # text made mostly of ' ' and '='
+    try:
+        runs = {
+            name: reflective_generate(model, tokenizer, prompts, policy, range(8), [-1], tokenizer.pad_token_id, c)
+            for name, c in configs.items()
+        }
+    finally:
+        handle.remove()
+    for name, results in runs.items():
+        n_reflections = sum(r.n_reflections for r in results)
+        assert n_reflections == 0 if name == "never" else n_reflections >= 4, name
+        for r in results:
+            texts = [tokenizer.decode(r.token_ids[:k], skip_special_tokens=True) for k in range(len(r.token_ids))]
+            assert r.at_trigger == [t.endswith(tuple(configs[name].trigger_after)) for t in texts]
+            assert all(r.at_trigger[p] for p in r.reflection_positions if p < len(r.at_trigger))
+            assert all(texts[p].endswith(tuple(triggers)) for p in r.reflection_positions if p < len(texts))
+            if name == "periodic":  # the first trigger point once `period` visible tokens have passed
+                gaps = [b - a for a, b in zip([0, *r.reflection_positions], r.reflection_positions, strict=False)]
+                assert all(g >= 3 for g in gaps)
+    # The same rows decoded without trigger points reflect at points that are not trigger points too.
+    free = reflective_generate(
+        model, tokenizer, prompts, policy, range(8), [-1], tokenizer.pad_token_id,
+        dataclasses.replace(configs["periodic"], trigger_after=[]),
+    )
+    assert not all(
+        tokenizer.decode(r.token_ids[:p], skip_special_tokens=True).endswith(tuple(triggers))
+        for r in free for p in r.reflection_positions
+    )
+
+
+def test_trigger_point_spans_token_boundaries(tiny_tokenizer):
+    ids = _ids(tiny_tokenizer, "12 * 3 = ")
+    assert at_trigger_point(tiny_tokenizer, ids, [" = "]) and at_trigger_point(tiny_tokenizer, ids, ["3 = ", "x"])
+    assert not at_trigger_point(tiny_tokenizer, ids[:-1], [" = "])
+    assert at_trigger_point(tiny_tokenizer, [], []) and not at_trigger_point(tiny_tokenizer, [], [" = "])
+    long = _ids(tiny_tokenizer, "x" * 40 + " = ")
+    assert at_trigger_point(tiny_tokenizer, long, ["x" * 10 + " = "])
+    # Special tokens decode to nothing in the visible text: the window grows until it holds enough text.
+    pad = tiny_tokenizer.pad_token_id
+    padded = _ids(tiny_tokenizer, "x =") + [pad] * 6 + _ids(tiny_tokenizer, " ")
+    assert at_trigger_point(tiny_tokenizer, padded, [" = "])
+
+
+# --- tuning -----------------------------------------------------------------------------------------------------
+
+
+def _canned(n: int, fpe: int) -> list[ReflectiveResult]:
+    return [
+        ReflectiveResult([1, 2], "ab", True, Usage(fpe=fpe), n_reflections=1, hidden_tokens=3, peek_tokens=3,
+                         end_reasons=["model_end"])
+        for _ in range(n)
+    ]
+
+
+def test_choose_stop_picks_the_most_accurate_rule_and_uses_only_what_it_is_given():
+    config = ReflectiveConfig(tau_high=0.3, tau_low=0.2, trigger_after=[" = "], ablation="periodic")
+    grades = {"end_marker": [True, False, False, True], "peek": [False] * 4, "peek_agree": [True, True, False, True]}
+    fpe = {"end_marker": 10, "peek": 20, "peek_agree": 30}
+    seen = []
+
+    def decode_and_grade(settings: ReflectiveConfig):
+        seen.append(settings)
+        return _canned(4, fpe[settings.stop]), grades[settings.stop]
+
+    choice = choose_stop(decode_and_grade, config)
+    assert choice.stop == "peek_agree"
+    assert [s.stop for s in seen] == list(STOP_RULES)
+    assert all(s == dataclasses.replace(config, stop=s.stop, ablation="gate") for s in seen)  # nothing else changes
+    trials = {t.stop: t for t in choice.trials}
+    assert trials["end_marker"].accuracy == 0.5 and trials["peek_agree"].accuracy == 0.75
+    assert trials["peek"].fpe == 80 and trials["peek"].reflections == 4 and trials["peek"].hidden_tokens == 12
+    assert trials["peek"].end_reasons == {"model_end": 4}
+    # A tie goes to the lower FPE; only the candidates given are decoded.
+    grades["end_marker"] = grades["peek_agree"]
+    assert choose_stop(decode_and_grade, config).stop == "end_marker"
+    fpe["end_marker"] = 30
+    assert choose_stop(decode_and_grade, config).stop == "end_marker"  # then the earlier candidate
+    seen.clear()
+    assert choose_stop(decode_and_grade, config, ["peek", "peek_agree"]).stop == "peek_agree"
+    assert [s.stop for s in seen] == ["peek", "peek_agree"]
+
+
+def test_calibration_replays_the_gate_only_at_trigger_points():
+    # u is 0.5 on every odd step (where the free gate could fire half the time), 0.3 at the trigger points (every
+    # 8th step) and 0 elsewhere.
+    u = [0.3 if k % 8 == 0 else 0.5 if k % 2 else 0.0 for k in range(32)]
+    points = [k % 8 == 0 for k in range(32)]
+    plain = [ReflectiveResult([1] * 32, "", False, Usage(), uncertainty=u, at_trigger=points) for _ in range(2)]
+    config = ReflectiveConfig(tau_high=0.4, tau_low=0.4, tau_stop=0.4, cooldown=0, trigger_after=[" = "])
+    calib = calibrate_tau(lambda settings: plain, config, target_rate=0.5)
+    assert calib.simulated_rate == pytest.approx(1 / 8) and calib.tau_high < 0.3
+    free = [dataclasses.replace(r, at_trigger=[True] * 32) for r in plain]
+    assert calibrate_tau(lambda settings: free, config, target_rate=0.5).simulated_rate > 0.3
+    nowhere = [dataclasses.replace(r, at_trigger=[False] * 32) for r in plain]
+    with pytest.raises(ValueError, match="trigger point"):
+        calibrate_tau(lambda settings: nowhere, config)
+
+
+def test_matched_ablations_keep_the_stop_rule_and_the_trigger_points():
+    config = ReflectiveConfig(stop="peek_agree", trigger_after=[" = "], reflect_length=48)
+    ablations = matched_ablations(config, visible=1200, reflections=50, hidden=1000, trigger_points=100)
+    periodic, random, fixed = (ablations[f"reflective-{k}"] for k in ("periodic", "random", "fixed"))
+    for ablation in (periodic, random, fixed):
+        assert ablation.trigger_after == [" = "] and ablation.stop == "peek_agree"
+        assert (ablation.budget_total, ablation.tau_high) == (config.budget_total, config.tau_high)
+    assert random.random_rate == pytest.approx(0.5)  # reflections per trigger point
+    assert periodic.period == 19  # gap 24, points every 12: lands on the gap
+    assert (fixed.ablation, fixed.reflect_length) == ("fixed", 20)
+    plain = matched_ablations(ReflectiveConfig(), visible=1200, reflections=50, hidden=1000)
+    assert plain["reflective-random"].random_rate == pytest.approx(50 / 1200)
+    assert plain["reflective-periodic"].period == 24
+
+
+def test_calibrate_stage_chooses_the_stop_rule_on_train_problems(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    splits = []
+
+    def make_task(task_config, seed):
+        task = real_make_task(task_config, seed)
+        examples = task.examples
+
+        def recording(split, n):
+            splits.append(split)
+            return examples(split, n)
+
+        task.examples = recording
+        return task
+
+    real_make_task = calibrate.make_task
+    monkeypatch.setattr(calibrate, "make_task", make_task)
+    config = load_config(ROOT / "recipes" / "tiny.yaml", [
+        f"model.path={tiny_model_dir}", "eval.n_other=4", "sampling.max_new_tokens=8", "reflective.reflect_length=3",
+        "reflective.budget_total=6", "reflective.tau_low=0.0", "reflective.calibrate_rate=0.2",
+        "reflective.trigger_after=[]",  # the recipe's " = " never comes from a random model in 8 tokens
+    ])
+    run = RunDir(tmp_path)
+    calibrate.run_calibrate(config, run)
+    assert splits == ["train"]
+    lines = [json.loads(line) for line in run.metrics.read_text().splitlines()]
+    assert [line["stage"] for line in lines] == ["calibrate", "calibrate_stop", "calibrate_stop", "calibrate_stop"]
+    trials = lines[1:]
+    assert [t["stop"] for t in trials] == list(STOP_RULES)
+    assert all(t["n"] == 4 and {"accuracy", "reflections", "hidden_tokens", "fpe", "end_reasons"} <= set(t)
+               for t in trials)
+    (chosen,) = [t for t in trials if t["chosen"]]
+    assert chosen["accuracy"] == max(t["accuracy"] for t in trials)
+    out = capsys.readouterr().out
+    assert f"reflective.stop={chosen['stop']}" in out and f"reflective.tau_high={lines[0]['tau_high']:.4f}" in out
