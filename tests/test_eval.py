@@ -34,7 +34,9 @@ def test_wilson_interval_matches_known_values():
 
 @pytest.mark.parametrize("decoder", DEFAULT_DECODERS)
 def test_reported_fpe_equals_forward_counter_for_every_decoder(decoder, model_dir):
-    config = load_config(ROOT / "recipes" / "tiny.yaml", [f"model.path={model_dir}", *SMALL])
+    # The recipe's trigger point " = " never comes from a random model: without it the reflective rows reflect.
+    overrides = [f"model.path={model_dir}", *SMALL, "reflective.trigger_after=[]"]
+    config = load_config(ROOT / "recipes" / "tiny.yaml", overrides)
     model, tokenizer = load_model(model_dir)
     task = make_task(config.task, config.seed)
     examples = task.examples("test", 3)
@@ -50,6 +52,8 @@ def test_reported_fpe_equals_forward_counter_for_every_decoder(decoder, model_di
     assert len(outputs) == 3
     assert sum(o.usage.fpe for o in outputs) == counter.tokens > 0
     assert all(o.usage.prefill_tokens > 0 for o in outputs)
+    if decoder.startswith("reflective"):
+        assert sum(o.extra["n_reflections"] for o in outputs) > 0  # the count covered hidden spans
 
 
 def test_unknown_or_malformed_decoder_names_are_reported_together():
