@@ -18,6 +18,7 @@ MINIATURE = [
     "sampling.max_new_tokens=24", "redumix.reflection_max_tokens=24",
     "train.epochs=1", "train.batch_size=4", "train.save_steps=2",
     "eval.n=6", "eval.n_other=3", "eval.batch_size=3", "eval.decoders=[greedy, redumix-oracle, moi, sr, reflective]",
+    "eval.tuned_decoders=[]",  # the tuned checkpoint runs the same list (the recipe names a subset)
     "pdr.workspace_tokens=32",
 ]
 
