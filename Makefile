@@ -3,6 +3,7 @@ RECIPE ?= recipes/tiny.yaml
 RUN_DIR ?=
 NPROC ?= 1
 ARGS ?=
+ROUNDS ?=
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,7 +11,7 @@ RUN_DIR_FLAG := $(if $(RUN_DIR),--run-dir $(RUN_DIR),)
 # Multi-process stages go through torchrun, which starts exactly NPROC ranks on CPU or GPU alike.
 LAUNCH := $(if $(filter 1,$(NPROC)),$(BIN)/redumix,$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m redumix.pipeline.cli)
 
-.PHONY: install base harvest train eval export calibrate bench test test-all lint clean
+.PHONY: install base harvest train eval export calibrate rounds bench test test-all lint clean
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +33,9 @@ export: install
 	$(BIN)/redumix export --recipe $(RECIPE) $(RUN_DIR_FLAG) $(ARGS)
 calibrate: install
 	$(BIN)/redumix calibrate --recipe $(RECIPE) $(RUN_DIR_FLAG) $(ARGS)
+# Harvest -> train -> eval, ROUNDS times (default: the recipe's rounds.count), each round from the last one's model.
+rounds: install
+	$(LAUNCH) rounds --recipe $(RECIPE) $(RUN_DIR_FLAG) $(if $(ROUNDS),rounds.count=$(ROUNDS),) $(ARGS)
 
 bench: install
 	$(BIN)/python -m bench.run

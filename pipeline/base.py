@@ -424,8 +424,7 @@ def build_base(config: Config, out_dir: Path, run: RunDir | None = None) -> dict
     """
     base = config.base
     torch.set_num_threads(base.threads)
-    settings = yaml.safe_dump({"seed": config.seed, "base": asdict(base), "task": asdict(config.task)},
-                              sort_keys=False)
+    settings = build_settings(config)
     episodes = training_task(config).training_episodes(base.corpus_spec())
     sample = list(itertools.islice(episodes, 3000))
     if (out_dir / "tokenizer.json").is_file() and _read_text(out_dir / "build_config.yaml") == settings:
@@ -452,12 +451,53 @@ def _read_text(path: Path) -> str | None:
     return path.read_text() if path.is_file() else None
 
 
+# Settings that change neither the weights nor metrics.json: a shipped build made with other values still applies.
+_NOT_DECISIVE = ("threads", "checkpoint_steps", "eval_batch_size", "shipped")
+
+
+def build_settings(config: Config) -> str:
+    """What decides the built base (its `build_config.yaml`): a build is resumed or reused only when these match."""
+    base = {k: v for k, v in asdict(config.base).items() if k not in _NOT_DECISIVE}
+    return yaml.safe_dump({"seed": config.seed, "base": base, "task": asdict(config.task)}, sort_keys=False)
+
+
+def shipped_base(config: Config) -> Path | None:
+    """`base.shipped` when it holds a complete build of exactly these settings, else None (with the reason)."""
+    if not config.base.shipped:
+        return None
+    folder = Path(config.base.shipped)
+    if not (folder / "metrics.json").is_file():
+        print0(f"base: base.shipped={folder} holds no complete build (no metrics.json); building from the code")
+        return None
+    if _read_text(folder / "build_config.yaml") != build_settings(config):
+        print0(f"base: the build in base.shipped={folder} was made with other settings (its build_config.yaml "
+               "differs from this recipe's seed, base and task); building from the code")
+        return None
+    return folder
+
+
+def copy_shipped_base(folder: Path, run: RunDir) -> None:
+    partial = run.root / ".base.shipped.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(folder, partial)
+    partial.rename(run.base)
+    accuracy = read_json(run.base / "metrics.json")["accuracy"]
+    log_metrics(run, "base", shipped_from=str(folder), accuracy=accuracy)
+    print0(f"base: copied the shipped build {folder} (greedy {accuracy:.1%} on held-out problems) into {run.base}; "
+           "`redumix base` builds it from the code instead")
+
+
 def ensure_base(config: Config, run: RunDir) -> None:
-    """The embedded default is built on first use, by rank 0 while the others wait."""
+    """The embedded default on first use, by rank 0 while the others wait: the shipped build when it matches the
+    recipe's settings, else built from the code."""
     if config.model.path == "base" and not base_is_complete(run):
         if rank() == 0:
-            print0("base: the embedded default model is not built yet; building it first")
-            run_base(config, run)
+            shipped = shipped_base(config)
+            if shipped is not None and not run.base.exists():
+                copy_shipped_base(shipped, run)
+            else:
+                print0("base: the embedded default model is not built yet; building it first")
+                run_base(config, run)
         barrier()
 
 

@@ -121,6 +121,12 @@ class BaseConfig:
         default=True, metadata={"help": "Also measure attempt -> feedback -> reflection -> x2-only redo on eval_n."}
     )
     eval_batch_size: int = field(default=100, metadata={"help": "Problems decoded together when measuring."})
+    shipped: str | None = field(
+        default=None,
+        metadata={"help": "A folder with a base that `redumix base` built from these settings. When its "
+                  "build_config.yaml matches, harvest, train and eval copy it into RUN_DIR/base instead of building; "
+                  "`redumix base` always builds from the code."},
+    )
 
     def __post_init__(self) -> None:
         problems = []
@@ -158,9 +164,15 @@ class HarvestConfig:
     split: Literal["train", "test"] = field(default="train", metadata={"help": "Task split to harvest from."})
     batch_size: int = field(default=32, metadata={"help": "Examples decoded together."})
     shard_rows: int = field(default=256, metadata={"help": "Rows per Arrow shard (a shard is the unit of resume)."})
+    skip: int = field(
+        default=0,
+        metadata={"help": "Harvest the split's examples [skip, skip + n); `rounds` moves it on by n each round."},
+    )
 
     def __post_init__(self) -> None:
         problems = [f"{name} must be >= 1" for name in ("n", "batch_size", "shard_rows") if getattr(self, name) < 1]
+        if self.skip < 0:
+            problems.append(f"skip must be >= 0, got {self.skip}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -203,6 +215,24 @@ class EvalConfig:
 
 
 @dataclass
+class RoundsConfig:
+    count: int = field(default=3, metadata={"help": "Rounds of harvest -> train -> eval (`make rounds ROUNDS=N`)."})
+    decoders: list[str] = field(
+        default_factory=lambda: ["greedy", "redumix-oracle"],
+        metadata={"help": "What each round's eval runs (eval.n for greedy, eval.n_other for the others)."},
+    )
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.count < 1:
+            problems.append(f"count must be >= 1, got {self.count}")
+        if not self.decoders:
+            problems.append("decoders must name at least one decoder")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass
 class Config:
     name: str = field(default="", metadata={"help": "Run name; defaults to the recipe file's stem."})
     seed: int = field(
@@ -222,6 +252,7 @@ class Config:
     harvest: HarvestConfig = field(default_factory=HarvestConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    rounds: RoundsConfig = field(default_factory=RoundsConfig)
 
 
 # --- resolution ---------------------------------------------------------------------------------------------------

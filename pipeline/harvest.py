@@ -74,7 +74,8 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
         barrier()
     ensure_base(config, run)
     # Every input is checked before the folder is claimed, so a fixed rerun is not refused as another config.
-    examples = task.examples(config.harvest.split, config.harvest.n)
+    skip = config.harvest.skip
+    examples = task.examples(config.harvest.split, skip + config.harvest.n)[skip:]
     if not examples:
         raise ValueError(
             f"harvest: task {task.name!r} gives no examples in split {config.harvest.split!r} "
@@ -222,7 +223,9 @@ def harvest_fingerprint(config: Config, task: Task) -> str:
         "task": asdict(config.task),
         "sampling": asdict(config.sampling),
         "redumix": asdict(config.redumix),
-        "harvest": {"n": config.harvest.n, "split": config.harvest.split, "shard_rows": config.harvest.shard_rows},
+        "harvest": {"n": config.harvest.n, "split": config.harvest.split, "shard_rows": config.harvest.shard_rows,
+                    # only when set, so that harvests made before `skip` existed keep their fingerprint
+                    **({"skip": config.harvest.skip} if config.harvest.skip else {})},
     }
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -292,6 +295,7 @@ def summarize(config: Config, out: Path, n_shards: int, fingerprint: str) -> dic
     return {
         "fingerprint": fingerprint,
         "rows": n,
+        "skip": config.harvest.skip,  # the rows are the split's examples [skip, skip + rows)
         "shards": [p.name for p in paths],
         "shard_files": {p.name: shard_record(p) for p in paths},  # rows and SHA-256: train and reruns check them
         "shard_bytes": sum(p.stat().st_size for p in paths),

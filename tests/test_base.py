@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +16,13 @@ from redumix.data.prompts import critique_messages, redo_messages, refine_messag
 from redumix.data.task import TaskConfig
 from redumix.pipeline.base import (
     base_is_complete,
+    build_settings,
     encode_episodes,
+    ensure_base,
     episode_texts,
     pack_rows,
     run_base,
+    shipped_base,
     train_tokenizer,
 )
 from redumix.pipeline.config import load_config
@@ -233,3 +237,56 @@ def test_a_killed_base_build_resumes_to_the_same_weights(tmp_path):
     run_base(load_config("recipes/tiny.yaml", overrides), killed)
     expected, resumed = _weights(whole), _weights(killed)
     assert all(torch.equal(expected[k], resumed[k]) for k in expected)
+
+
+def _files(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_a_shipped_build_of_the_same_settings_is_copied_and_any_other_is_rebuilt(tmp_path, capsys):
+    shipped = RunDir(tmp_path / "maker")
+    run_base(load_config("recipes/tiny.yaml", RESUMABLE), shipped)
+    same = load_config("recipes/tiny.yaml", [*RESUMABLE, f"base.shipped={shipped.base}", "base.threads=2"])
+    capsys.readouterr()
+
+    copied = RunDir(tmp_path / "copied")
+    ensure_base(same, copied)
+    out = capsys.readouterr().out
+    assert "copied the shipped build" in out and "parameters" not in out  # no build ran
+    assert _files(copied.base) == _files(shipped.base) and base_is_complete(copied)
+    assert not (copied.root / ".base.shipped.partial").exists()
+
+    other = load_config("recipes/tiny.yaml", [*RESUMABLE, f"base.shipped={shipped.base}", "base.lr=0.002"])
+    rebuilt = RunDir(tmp_path / "rebuilt")
+    ensure_base(other, rebuilt)
+    out = capsys.readouterr().out
+    assert "made with other settings" in out and "parameters" in out and base_is_complete(rebuilt)
+    assert _files(rebuilt.base)["model.safetensors"] != _files(shipped.base)["model.safetensors"]
+
+    built = RunDir(tmp_path / "built")  # `redumix base` always builds from the code
+    run_base(same, built)
+    out = capsys.readouterr().out
+    assert "copied" not in out and "parameters" in out and base_is_complete(built)
+
+
+def test_the_tiny_recipe_uses_the_shipped_base():
+    """The shipped build must match the recipe's settings, or every fresh clone builds for 10 minutes."""
+    config = load_config("recipes/tiny.yaml")
+    folder = shipped_base(config)
+    assert folder is not None, "models/tiny-base does not match recipes/tiny.yaml: rebuild it (see the README)"
+    assert build_settings(config) == (folder / "build_config.yaml").read_text()
+    metrics = json.loads((folder / "metrics.json").read_text())
+    assert metrics["build"]["parameters"] == 516_960 and metrics["n"] == config.base.eval_n
+    assert sum(p.stat().st_size for p in folder.iterdir()) < 20e6
+
+
+@pytest.mark.slow
+def test_the_base_rebuilt_from_the_code_matches_the_shipped_one(tmp_path):
+    """About 10 minutes: `redumix base` on the tiny recipe, compared with models/tiny-base within 3 points."""
+    config = load_config("recipes/tiny.yaml")
+    run = RunDir(tmp_path)
+    run_base(config, run)
+    shipped = json.loads((Path(config.base.shipped) / "metrics.json").read_text())
+    rebuilt = json.loads((run.base / "metrics.json").read_text())
+    assert rebuilt["n"] == shipped["n"]
+    assert abs(rebuilt["accuracy"] - shipped["accuracy"]) <= 0.03, (rebuilt["accuracy"], shipped["accuracy"])

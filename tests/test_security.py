@@ -56,3 +56,47 @@ def test_a_recipe_name_cannot_point_the_run_folder_outside_runs(name):
     with pytest.raises(ConfigError, match=r"'name'.*--run-dir"):
         load_config(ROOT / "recipes" / "tiny.yaml", [f"name={name}"])
     assert load_config(ROOT / "recipes" / "tiny.yaml", ["name=tiny-v2.1"]).name == "tiny-v2.1"
+
+
+MARKERS = ("<|reflect|>", "<|/reflect|>")
+
+
+def test_markers_never_reach_logs_reports_or_exports(tmp_path, tiny_model_dir, capfd):
+    """Harvest, export and eval on a model whose markers are real tokens, with reflections forced in eval and the
+    harvest sampled at temperature 1: no marker string in any output file, record, shard text or printed line."""
+    from redumix.data.shards import iter_rows, shard_paths
+    from redumix.pipeline.config import load_config
+    from redumix.pipeline.eval import run_eval
+    from redumix.pipeline.export import run_export
+    from redumix.pipeline.harvest import run_harvest
+    from redumix.pipeline.run import RunDir
+
+    config = load_config(ROOT / "recipes" / "tiny.yaml", [
+        f"model.path={tiny_model_dir}", "harvest.n=12", "harvest.shard_rows=4", "harvest.batch_size=4",
+        "sampling.temperature=1.0", "sampling.max_new_tokens=12", "redumix.reflection_max_tokens=8",
+        "redumix.critique_max_tokens=6", "redumix.topk=8", "eval.n=6", "eval.n_other=6", "eval.batch_size=3",
+        "eval.checkpoints=[base]", "eval.decoders=[greedy,sample,redumix-oracle,reflective,reflective-random]",
+        # Every visible step may open a span (no trigger point, a gate that always fires), and spans run to length.
+        "reflective.trigger_after=[]", "reflective.tau_high=-1.0", "reflective.tau_low=-1.0", "reflective.cooldown=0",
+        "reflective.stop=peek", "reflective.tau_stop=-1.0", "reflective.reflect_length=3",
+    ])
+    run = RunDir(tmp_path / "run")
+    run_harvest(config, run)
+    run_export(config, run)
+    run_eval(config, run)
+    printed = capfd.readouterr()
+
+    records = [json.loads(line) for path in (run.eval / "generations").glob("*.jsonl")
+               for line in path.read_text().splitlines()]
+    assert sum(r["extra"]["n_reflections"] for r in records if r["decoder"] == "reflective") > 0  # spans were there
+    texts = {"stdout": printed.out, "stderr": printed.err}
+    for path in run.root.rglob("*"):
+        # config.yaml states the marker settings themselves; shards are checked by column below.
+        if path.is_file() and path.name != "config.yaml" and path.suffix not in (".arrow", ".safetensors"):
+            texts[str(path)] = path.read_text(errors="replace")
+    for row in iter_rows(shard_paths(run.harvest)):
+        texts[f"shard row {row['id']}"] = json.dumps({k: v for k, v in row.items() if isinstance(v, str)})
+    assert (run.root / "export" / "dpo.jsonl").is_file() and (run.eval / "report.md").is_file()
+    assert len(texts) > 12
+    leaks = [(where, marker) for where, text in texts.items() for marker in MARKERS if marker in text]
+    assert not leaks, leaks
