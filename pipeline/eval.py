@@ -42,17 +42,22 @@ from redumix.generate.reflective import ReflectiveDecoder
 from redumix.generate.reflective_tuning import matched_ablations
 from redumix.pipeline.base import ensure_base
 from redumix.pipeline.config import Config, config_to_yaml
-from redumix.pipeline.records import make_record, model_identity, records_path, score_resumable
+from redumix.pipeline.records import make_record, model_identity, read_records, records_path, score_resumable
 from redumix.pipeline.report import plot_accuracy_vs_fpe, reflection_diagnostics, report_markdown, summarize
 from redumix.pipeline.run import (
     RunDir,
+    atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
+    barrier,
+    init_distributed,
     log_metrics,
     model_path,
     peak_rss_mb,
     print0,
+    rank,
     read_json,
+    world_size,
 )
 
 # (config, the decoder's name as listed, records of the decoders already run on this checkpoint) -> decoder
@@ -146,6 +151,7 @@ def run_eval(
     task = task or make_task(config.task, config.seed)
     check_decoder_names(config.eval.decoders, decoders)
     check_decoder_names(config.eval.tuned_decoders, decoders)
+    init_distributed()
     ensure_base(config, run)
     out = run.eval
     checkpoints = available_checkpoints(config, run)
@@ -155,15 +161,20 @@ def run_eval(
         print0(f"eval: complete ({report_path}), skipping. Delete it to evaluate again.")
         return
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "config.yaml", config_to_yaml(config))
+    if rank() == 0:
+        atomic_write_text(out / "config.yaml", config_to_yaml(config))
     rows, diagnostics = [], {}
     for checkpoint, path in checkpoints.items():
         records = evaluate_checkpoint(config, run, task, decoders, checkpoint, path)
+        if rank() != 0:
+            continue  # rank 0 writes the report
         for decoder, recs in records.items():
             rows.append(summarize(checkpoint, decoder, recs, greedy=records.get("greedy")))
             found = reflection_diagnostics(recs)
             if found is not None:
                 diagnostics[f"{checkpoint}/{decoder}"] = found
+    if rank() != 0:
+        return
     report = {"fingerprint": report_fingerprint, "task": task.name, "split": config.eval.split,
               "checkpoints": {k: str(v) for k, v in checkpoints.items()}, "rows": rows, "diagnostics": diagnostics,
               "peak_rss_mb": peak_rss_mb()}
@@ -198,18 +209,51 @@ def evaluate_checkpoint(
         decoder = decoders[name.partition("@")[0]](config, name, results)
         identity = f"{model_id}:{fingerprint(decoder)}:{task_fingerprint(config, task)}"
         count = config.eval.n if name == "greedy" else config.eval.n_other
-        results[name] = score_resumable(
-            records_path(run.eval / "generations", checkpoint, name),
+        path = records_path(run.eval / "generations", checkpoint, name)
+        # Each rank scores every world_size-th example into its own part file; rank 0 gathers them in order.
+        wanted = examples[:count]
+        mine = wanted
+        if world_size() > 1:
+            gathered = {r["id"] for r in read_records(path) if r.get("model") == identity}
+            mine = [e for e in wanted[rank() :: world_size()] if e.id not in gathered]
+        score_resumable(
+            path if world_size() == 1 else rank_part(path, rank()),
             identity,
-            examples[:count],
+            mine,
             lambda batch, decoder=decoder: decoder(model, tokenizer, batch, task),
             lambda example, out, seconds, name=name, identity=identity: make_record(
                 example, out, task, name, checkpoint, identity, seconds
             ),
             config.eval.batch_size,
-            desc=f"eval {checkpoint}/{name}",
+            desc=f"eval {checkpoint}/{name}" + (f" [rank {rank()}]" if world_size() > 1 else ""),
         )
+        if world_size() > 1:
+            barrier()
+            if rank() == 0:
+                gather_parts(path, identity, wanted, world_size())
+            barrier()
+        by_id = {r["id"]: r for r in read_records(path) if r.get("model") == identity}
+        results[name] = [by_id[e.id] for e in wanted]
     return results
+
+
+def rank_part(path: Path, index: int) -> Path:
+    return path.with_name(f"{path.stem}.rank{index}{path.suffix}")
+
+
+def gather_parts(path: Path, identity: str, examples: list, ranks: int) -> None:
+    """The records already in `path` plus every rank's part, in example order, into `path`; then the parts go."""
+    found = {r["id"]: r for r in read_records(path) if r.get("model") == identity}
+    parts = [rank_part(path, index) for index in range(ranks)]
+    for part in parts:
+        found.update({r["id"]: r for r in read_records(part) if r.get("model") == identity})
+    missing = [e.id for e in examples if e.id not in found]
+    if missing:
+        raise RuntimeError(f"eval: {path.name}: no record of {len(missing)} examples after every rank finished "
+                           f"(e.g. {missing[:3]}); rerun the eval")
+    atomic_write_bytes(path, "".join(json.dumps(found[e.id]) + "\n" for e in examples).encode())
+    for part in parts:
+        part.unlink(missing_ok=True)
 
 
 def decoders_for(config: Config, checkpoint: str) -> list[str]:

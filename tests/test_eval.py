@@ -93,3 +93,41 @@ def test_eval_on_real_gsm8k_writes_parseable_reports_and_resumes(tmp_path, model
     run_eval(config, run)
     assert generations.stat().st_mtime_ns == before
     assert json.loads((tmp_path / "eval" / "report.json").read_text())["rows"] == report["rows"]
+
+
+TIMING = ("wall_s", "tokens_per_s")
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_report_rows_of_one(tmp_path, model_dir):
+    """`make eval NPROC=2`: the ranks split the examples and rank 0 gathers them; the report equals one process's."""
+    import os
+    import subprocess
+    import sys
+
+    overrides = [f"model.path={model_dir}", *SMALL, "eval.n=7", "eval.n_other=5", "eval.checkpoints=[base]",
+                 "eval.decoders=[greedy,sample,redumix-oracle,vote,reflective,reflective-random]",
+                 "reflective.trigger_after=[]"]
+    run_eval(load_config(ROOT / "recipes" / "tiny.yaml", overrides), RunDir(tmp_path / "one"))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "redumix.pipeline.cli", "eval", "--recipe", str(ROOT / "recipes" / "tiny.yaml"),
+               "--run-dir", str(tmp_path / "two"), *overrides]
+    subprocess.run(command, cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+
+    def rows(folder: Path) -> list[dict]:
+        report = json.loads((folder / "eval" / "report.json").read_text())
+        return [{k: v for k, v in row.items() if k not in TIMING} for row in report["rows"]]
+
+    one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
+    assert [r["decoder"] for r in two] == ["greedy", "sample", "redumix-oracle", "vote", "reflective",
+                                           "reflective-random"]
+    assert two == one
+    records = sorted((tmp_path / "two" / "eval" / "generations").iterdir())
+    assert not [p for p in records if ".rank" in p.name]  # the parts were gathered and removed
+
+    def untimed(path: Path) -> list[dict]:
+        lines = path.read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in lines]
+
+    for path in records:
+        assert untimed(path) == untimed(tmp_path / "one" / "eval" / "generations" / path.name)

@@ -151,3 +151,45 @@ def test_a_killed_train_resumes_to_the_same_weights(tmp_path):
     a = load_file(str(whole.train / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(killed.train / "adapter" / "adapter_model.safetensors"))
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+@pytest.mark.slow
+def test_killed_rounds_resume_to_the_same_rounds(tmp_path, tiny_model_dir):
+    """SIGKILL `redumix rounds` somewhere in its two rounds; the rerun ends with the rows, weights (to 1e-5), records
+    and summary of an unbroken run."""
+    from safetensors.torch import load_file
+
+    from redumix.pipeline.rounds import run_rounds
+
+    settings = [f"model.path={tiny_model_dir}", *SMALL, "harvest.n=6", "sampling.temperature=1.0",
+                "train.adapter=full", "train.max_steps=3", "train.batch_size=2", "train.save_steps=1",
+                "train.heldout_fraction=0.34", "train.logging_steps=1", "rounds.count=2"]
+    recipe = ROOT / "recipes" / "tiny.yaml"
+    whole = tmp_path / "whole"
+    run_rounds(load_config(recipe, settings), RunDir(whole))
+    killed = tmp_path / "killed"
+    command = [sys.executable, "-m", "redumix.pipeline.cli", "rounds", "--recipe", str(recipe),
+               "--run-dir", str(killed), *settings]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first_shard = killed / "rounds" / "round-1" / "harvest" / "shard-00000.arrow"
+    deadline = time.time() + 300
+    while process.poll() is None and time.time() < deadline and not first_shard.exists():
+        time.sleep(0.05)
+    time.sleep(random.uniform(0, 3.0))  # anywhere from round 1's harvest to round 2's
+    process.send_signal(signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL  # it was still running: the kill really interrupted it
+    run_rounds(load_config(recipe, settings), RunDir(killed))
+
+    for index in (1, 2):
+        a, b = (folder / "rounds" / f"round-{index}" for folder in (whole, killed))
+        rows = [[{k: v for k, v in r.items() if k != "meta"} for r in iter_rows(shard_paths(f / "harvest"))]
+                for f in (a, b)]
+        assert rows[0] == rows[1]
+        weights = [load_file(str(f / "train" / "merged" / "model.safetensors")) for f in (a, b)]
+        assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-5) for k in weights[0])
+        assert _records(a) == _records(b) and _report_rows(a) == _report_rows(b)
+
+    def summary(folder: Path) -> str:
+        return (folder / "rounds" / "rounds.json").read_text().replace(str(folder), "RUN")
+
+    assert summary(killed) == summary(whole)
