@@ -6,6 +6,13 @@ repeated, with the median kept: the machine is shared and noisy, so absolute tim
   baseline_vs_hf_generate_b8  the same at batch 8
   batched_harvest_speedup     ReDuMix examples/s at batch 16 / examples/s one at a time
   shard_bytes_per_token       shard bytes on disk / redo tokens, at k=32 (plus the KL of the stored top-k)
+  redo_vs_hf_cfg_{shape}_b{B}  the ReDuMix redo's tokens/s, ours over transformers' own implementation of the same
+                              maths, `generate(x, guidance_scale=λ, negative_prompt_ids=x2)`, each as it really
+                              runs: ours extends the caches that stages 1-3 built (x2 is never re-encoded), while
+                              transformers prefills x2 from scratch and runs its second context as a separate,
+                              unbatched forward. Goal ≥ 1.5 at batch 16. Floor: on a compute-bound CPU ≈1.0 plus
+                              what the x2 prefill costs them; on a GPU, where one 2B-row forward costs about what a
+                              B-row one does, up to ≈2 plus the prefill.
 
 The model is a seed-built random Llama of the embedded default's shape (bench/models.py), never what lies in runs/.
 """
@@ -21,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from bench.models import describe, embedded_model, embedded_tokenizer
+from bench.models import describe, embedded_model, embedded_tokenizer, smollm2_shape_model
 from redumix.data.chat import prompt_ids
-from redumix.data.prompts import attempt_messages
+from redumix.data.prompts import attempt_messages, redo_messages
 from redumix.data.shards import encode_shard, read_shard
 from redumix.data.task import TaskConfig
 from redumix.data.tasks import make_task
@@ -97,6 +104,37 @@ def baseline_vs_hf_generate(model, tokenizer, batch: int) -> float:
     return median_ratio(hf, ours)  # time ratio hf/ours == tokens/s ratio ours/hf
 
 
+# A realistic x2: the attempt, verifier feedback and a long-hand reflection make it several times x.
+ATTEMPT = "12 + 7 = 19\n19 * 3 = 56\n56 - 8 = 48\nThe answer is 48."
+FEEDBACK = "Your final answer 48 is wrong."
+REFLECTION = ("I check each line the long way.\nLine 1: 12 + 7: 10 + 0 = 10, 2 + 7 = 9, 10 + 9 = 19. Right.\n"
+              "Line 2: 19 * 3: 10 * 3 = 30, 9 * 3 = 27, 30 + 27 = 57. Wrong, I wrote 56.\n"
+              "Line 3: 57 - 8: 57 - 7 = 50, 50 - 1 = 49. Wrong, I wrote 48.")
+
+
+def redo_vs_hf_cfg(model, tokenizer, batch: int, lam: float = 0.5, tokens: int = 32) -> float:
+    examples = TASK.examples("test", batch)
+    xs = [prompt_ids(tokenizer, attempt_messages(e.prompt)) for e in examples]
+    x2s = [prompt_ids(tokenizer, redo_messages(e.prompt, ATTEMPT, FEEDBACK, REFLECTION)) for e in examples]
+    pad = tokenizer.pad_token_id
+    policy = SamplingPolicy(max_new_tokens=tokens)
+    seeds = torch.arange(batch)
+    x_state, x2_state = prefill(model, xs, pad), prefill(model, x2s, pad)  # built by stages 1-3 in a harvest
+    x = tokenizer.pad({"input_ids": xs}, return_tensors="pt", padding_side="left")
+    x2 = tokenizer.pad({"input_ids": x2s}, return_tensors="pt", padding_side="left")
+
+    def ours() -> float:
+        return timed(lambda: mixture_loop(model, clone(x_state), clone(x2_state), lam, 32, policy, seeds, []))
+
+    def theirs() -> float:
+        return timed(lambda: model.generate(
+            **x, guidance_scale=lam, negative_prompt_ids=x2["input_ids"],
+            negative_prompt_attention_mask=x2["attention_mask"], max_new_tokens=tokens, min_new_tokens=tokens,
+            do_sample=False, pad_token_id=pad))
+
+    return median_ratio(theirs, ours, repeats=3)  # time ratio theirs/ours == tokens/s ratio ours/theirs
+
+
 def batched_harvest_speedup(model, tokenizer, n: int = 16) -> float:
     examples = TASK.examples("train", n)
     config = RedumixConfig(reflection_max_tokens=96)
@@ -161,6 +199,7 @@ def _kl_with_tail(exact: list[float], exact_tail: float, approx: list[float], ap
 def run() -> dict[str, float | str]:
     torch.set_num_threads(2)
     model, tokenizer, source = load()
+    smollm2 = smollm2_shape_model()
     bytes_per_token, kl = shard_bytes_per_token(model, tokenizer)
     return {
         "decode_model": source,
@@ -170,4 +209,15 @@ def run() -> dict[str, float | str]:
         "batched_harvest_speedup": round(batched_harvest_speedup(model, tokenizer), 3),
         "shard_bytes_per_token": round(bytes_per_token, 2),
         "shard_max_kl_vs_exact_topk": kl,
+        "redo_x2_over_x_tokens": round(_x2_over_x(tokenizer), 2),
+        "redo_vs_hf_cfg_embedded_b1": round(redo_vs_hf_cfg(model, tokenizer, 1), 3),
+        "redo_vs_hf_cfg_embedded_b16": round(redo_vs_hf_cfg(model, tokenizer, 16), 3),
+        "redo_vs_hf_cfg_smollm2_b1": round(redo_vs_hf_cfg(smollm2, tokenizer, 1), 3),
+        "redo_vs_hf_cfg_smollm2_b16": round(redo_vs_hf_cfg(smollm2, tokenizer, 16), 3),
     }
+
+
+def _x2_over_x(tokenizer) -> float:
+    e = TASK.examples("test", 1)[0]
+    return (len(prompt_ids(tokenizer, redo_messages(e.prompt, ATTEMPT, FEEDBACK, REFLECTION)))
+            / len(prompt_ids(tokenizer, attempt_messages(e.prompt))))

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import itertools
 
-from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from redumix.data.arith import ArithTask
 from redumix.data.chat import CHAT_TEMPLATE
@@ -37,3 +38,15 @@ def describe(model: LlamaForCausalLM) -> str:
     params = sum(p.numel() for p in model.parameters())
     return (f"random Llama of the embedded shape: hidden {c.hidden_size}, {c.num_hidden_layers} layers, "
             f"vocab {c.vocab_size}, {params / 1e6:.2f}M parameters, seed-built")
+
+
+def smollm2_shape_model(seed: int = 0) -> LlamaForCausalLM:
+    """SmolLM2-135M's architecture (hidden 576, 30 layers, 9 heads / 3 KV heads, MLP 1536, vocabulary 49,152, tied
+    embeddings) with seeded random weights: a real model's cost, with no download. Prompts from the embedded
+    tokenizer (ids < 768) are valid ids for it."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+                         max_position_embeddings=8192, rope_theta=100000.0, pad_token_id=0, bos_token_id=None,
+                         eos_token_id=1)
+    return LlamaForCausalLM(config).eval()
