@@ -13,6 +13,10 @@ repeated, with the median kept: the machine is shared and noisy, so absolute tim
                               unbatched forward. Goal ≥ 1.5 at batch 16. Floor: on a compute-bound CPU ≈1.0 plus
                               what the x2 prefill costs them; on a GPU, where one 2B-row forward costs about what a
                               B-row one does, up to ≈2 plus the prefill.
+  mixture_waste[_smollm2]     the mixture loop's time for B examples (2B rows: x and x2) / a plain decode loop's
+                              over the same 2B rows with the same cache lengths and steps: what mixing, top-k,
+                              the tail and the bookkeeping add to the forwards that cannot be avoided. Batch 16.
+                              Goal ≤ 1.15; floor 1.0 on a CPU and on a GPU alike.
 
 The model is a seed-built random Llama of the embedded default's shape (bench/models.py), never what lies in runs/.
 """
@@ -34,10 +38,10 @@ from redumix.data.prompts import attempt_messages, redo_messages
 from redumix.data.shards import encode_shard, read_shard
 from redumix.data.task import TaskConfig
 from redumix.data.tasks import make_task
-from redumix.generate.plain import generate_batch
+from redumix.generate.plain import generate_batch, sample_loop
 from redumix.generate.policy import SamplingPolicy
 from redumix.generate.redumix import RedumixConfig, mixture_loop, redumix_generate
-from redumix.generate.state import clone, prefill
+from redumix.generate.state import clone, merge, prefill
 
 TOKENS = 48
 TASK = make_task(TaskConfig(), seed=0)
@@ -135,6 +139,25 @@ def redo_vs_hf_cfg(model, tokenizer, batch: int, lam: float = 0.5, tokens: int =
     return median_ratio(theirs, ours, repeats=3)  # time ratio theirs/ours == tokens/s ratio ours/theirs
 
 
+def mixture_waste(model, tokenizer, batch: int = 16, tokens: int = 32) -> float:
+    examples = TASK.examples("test", batch)
+    xs = [prompt_ids(tokenizer, attempt_messages(e.prompt)) for e in examples]
+    x2s = [prompt_ids(tokenizer, redo_messages(e.prompt, ATTEMPT, FEEDBACK, REFLECTION)) for e in examples]
+    pad = tokenizer.pad_token_id
+    policy = SamplingPolicy(max_new_tokens=tokens)
+    x_state, x2_state = prefill(model, xs, pad), prefill(model, x2s, pad)
+    both = merge([x_state, x2_state])  # the same 2B rows and cache lengths the mixture loop decodes
+
+    def mixture() -> float:
+        return timed(lambda: mixture_loop(model, clone(x_state), clone(x2_state), 0.5, 32, policy,
+                                          torch.arange(batch), []))
+
+    def plain() -> float:
+        return timed(lambda: sample_loop(model, clone(both), policy, torch.arange(2 * batch), []))
+
+    return median_ratio(mixture, plain, repeats=3)
+
+
 def batched_harvest_speedup(model, tokenizer, n: int = 16) -> float:
     examples = TASK.examples("train", n)
     config = RedumixConfig(reflection_max_tokens=96)
@@ -214,6 +237,8 @@ def run() -> dict[str, float | str]:
         "redo_vs_hf_cfg_embedded_b16": round(redo_vs_hf_cfg(model, tokenizer, 16), 3),
         "redo_vs_hf_cfg_smollm2_b1": round(redo_vs_hf_cfg(smollm2, tokenizer, 1), 3),
         "redo_vs_hf_cfg_smollm2_b16": round(redo_vs_hf_cfg(smollm2, tokenizer, 16), 3),
+        "mixture_waste": round(mixture_waste(model, tokenizer), 3),
+        "mixture_waste_smollm2": round(mixture_waste(smollm2, tokenizer), 3),
     }
 
 

@@ -33,7 +33,7 @@ def round_dir(run: RunDir, index: int) -> RunDir:
     return RunDir(run.root / "rounds" / f"round-{index}")
 
 
-def round_config(config: Config, run: RunDir, index: int, start: Path) -> Config:
+def round_config(config: Config, index: int, start: Path) -> Config:
     """Round `index`'s settings: its starting model, its own slice of the train split, and the rounds' eval."""
     checkpoints = ["base", "tuned"] if index == 1 else ["tuned"]  # round r's start is round r-1's tuned model
     return dataclasses.replace(
@@ -52,7 +52,7 @@ def run_rounds(config: Config, run: RunDir) -> dict[str, Any]:
     for index in range(1, config.rounds.count + 1):
         here = round_dir(run, index)
         print0(f"rounds: round {index} of {config.rounds.count} in {here.root}, from {start}")
-        settings = round_config(config, run, index, start)
+        settings = round_config(config, index, start)
         if rank() == 0:
             here.root.mkdir(parents=True, exist_ok=True)
             atomic_write_text(here.config, config_to_yaml(settings))

@@ -13,6 +13,7 @@ Multi-process runs come from torchrun (see the Makefile); `train.deepspeed` sele
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase, TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from redumix.generate.model_io import load_tokenizer
 from redumix.pipeline.config import Config, config_to_yaml
@@ -85,7 +86,7 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
         model, tokenizer, train_examples, tc, str(checkpoints), seed=config.seed, use_cpu=use_cpu(config),
         processes=world_size(), callbacks=[MetricsToRunLog(run), *(callbacks or [])],
     )
-    last = get_last_checkpoint(str(checkpoints)) if checkpoints.is_dir() else None
+    last = last_complete_checkpoint(checkpoints)
     if last:
         print0(f"train: resuming from {last}")
     trainer.train(resume_from_checkpoint=last)
@@ -136,6 +137,30 @@ def base_model_path(config: Config, run: RunDir) -> Path:
         hint = "run `redumix base` first" if config.model.path == "base" else "set model.path to a local HF folder"
         raise FileNotFoundError(f"no model at {path} ({hint})")
     return path
+
+
+def last_complete_checkpoint(folder: Path) -> str | None:
+    """The newest checkpoint that HF Trainer finished writing, or None.
+
+    Trainer writes `trainer_state.json` last, so a kill while it saves leaves a newest folder without it (or with it
+    cut short). `get_last_checkpoint` would pick that folder and the resume would fail. Such a folder is skipped;
+    the resumed run writes it again when it reaches that step.
+    """
+    if not folder.is_dir():
+        return None
+    steps = []
+    for path in folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+        suffix = path.name.rpartition("-")[2]
+        if path.is_dir() and suffix.isdigit():
+            steps.append((int(suffix), path))
+    for _, path in sorted(steps, reverse=True):
+        try:
+            json.loads((path / "trainer_state.json").read_text())
+        except (OSError, ValueError):
+            print0(f"train: {path.name} was not finished when the last run stopped; not resuming from it")
+            continue
+        return str(path)
+    return None
 
 
 def use_cpu(config: Config) -> bool:

@@ -157,3 +157,21 @@ def test_a_crash_after_the_last_step_reruns_to_the_same_model(tmp_path: Path) ->
     assert again["final_loss"] == pytest.approx(first["final_loss"], abs=1e-5)
     rerun = load_file(str(run.train / "adapter" / "adapter_model.safetensors"))
     assert all(torch.allclose(weights[k], rerun[k], atol=1e-5) for k in weights)
+
+
+def test_resume_skips_a_checkpoint_that_was_not_finished(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A kill while HF Trainer saves leaves the newest checkpoint without trainer_state.json (written last), or with
+    it cut short: resume from the newest finished one instead (a SIGKILL test in CI found this)."""
+    from redumix.pipeline.train import last_complete_checkpoint
+
+    folder = tmp_path / "checkpoints"
+    assert last_complete_checkpoint(folder) is None
+    for step, state in ((2, '{"global_step": 2}'), (4, '{"global_step": 4}'), (6, None), (8, '{"global_st')):
+        (folder / f"checkpoint-{step}").mkdir(parents=True)
+        (folder / f"checkpoint-{step}" / "model.safetensors").write_bytes(b"")
+        if state is not None:
+            (folder / f"checkpoint-{step}" / "trainer_state.json").write_text(state)
+    (folder / "checkpoint-x").mkdir()
+    assert last_complete_checkpoint(folder) == str(folder / "checkpoint-4")
+    out = capsys.readouterr().out
+    assert "checkpoint-8 was not finished" in out and "checkpoint-6 was not finished" in out
