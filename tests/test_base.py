@@ -282,7 +282,7 @@ def test_the_tiny_recipe_uses_the_shipped_base():
 
 @pytest.mark.slow
 def test_the_base_rebuilt_from_the_code_matches_the_shipped_one(tmp_path):
-    """About 10 minutes: `redumix base` on the tiny recipe, compared with models/tiny-base within 3 points."""
+    """About 12 minutes: `redumix base` on the tiny recipe, compared with models/tiny-base within 3 points."""
     config = load_config("recipes/tiny.yaml")
     run = RunDir(tmp_path)
     run_base(config, run)
