@@ -83,11 +83,11 @@ def summarize_rounds(config: Config, run: RunDir, done: int) -> dict[str, Any]:
         checkpoint = "base" if index == 0 else "tuned"
         row: dict[str, Any] = {"round": index, "model": str(read_json(here.eval / "report.json")["checkpoints"][
             checkpoint])}
-        for decoder in decoders:
-            records = _records(here, checkpoint, decoder)
-            summary = summarize(checkpoint, decoder, records)
+        records = {decoder: _records(here, checkpoint, decoder) for decoder in decoders}
+        for decoder, recs in records.items():
+            summary = summarize(checkpoint, decoder, recs)
             row[decoder] = {k: summary[k] for k in ("accuracy", "n", "ci_low", "ci_high", "mean_tokens", "mean_fpe")}
-        greedy = _records(here, checkpoint, "greedy") if "greedy" in decoders else None
+        greedy = records.get("greedy")
         if greedy and previous:
             change = paired_with_greedy(greedy, previous)
             row["greedy_vs_previous"] = {
