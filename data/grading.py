@@ -47,11 +47,14 @@ def is_correct(completion: str, reference: str) -> bool:
 def verifier_feedback(completion: str, reference: str) -> str:
     """What an answer-checking verifier tells the model. It names the model's own answer, never the gold one."""
     predicted = extract_answer(completion)
+    return verdict_feedback(predicted, predicted is not None and is_correct(completion, reference))
+
+
+def verdict_feedback(predicted: str | None, correct: bool) -> str:
+    """The verifier's sentence for an answer and a verdict (the `random` feedback ablation picks the verdict)."""
     if predicted is None:
         return "I could not find a final answer in your solution."
-    if is_correct(completion, reference):
-        return f"Your final answer {predicted} is correct."
-    return f"Your final answer {predicted} is wrong."
+    return f"Your final answer {predicted} is {'correct' if correct else 'wrong'}."
 
 
 def grade(completion: str, example: Example) -> bool:

@@ -60,6 +60,13 @@ class Gsm8kTask:
         examples = self._splits[split]
         return examples if n is None else examples[:n]
 
+    def solutions(self, split: Split, n: int) -> dict[str, str]:
+        """GSM8K's own worked answers (`<<48/2=24>>` calculator notes and all), ending in `#### N`."""
+        path = Path(self.config.path) / f"{split}.jsonl"
+        ids = [e.id for e in self.examples(split, n)]
+        answers = [str(row["answer"]) for _, row in jsonl_objects(path)]
+        return dict(zip(ids, answers[: len(ids)], strict=True))
+
     # Graded as GSM8K is: the final number of a completion against the gold one.
     answer = staticmethod(extract_answer)
     is_correct = staticmethod(grading.grade)

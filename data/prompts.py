@@ -29,7 +29,8 @@ def reflect_messages(prompt: str, attempt: str, feedback: str) -> list[Message]:
     return [
         *attempt_messages(prompt),
         {"role": "assistant", "content": attempt},
-        {"role": "user", "content": f"{feedback}\n{REFLECT}"},
+        # With no feedback (the `none` ablation) the turn is the instruction alone.
+        {"role": "user", "content": f"{feedback}\n{REFLECT}" if feedback else REFLECT},
     ]
 
 

@@ -35,6 +35,8 @@ SCHEMA = pa.schema(
         ("mix_topk_logprobs", pa.list_(pa.list_(pa.float16()))),
         ("mix_tail_logprob", pa.list_(pa.float32())),
         ("lam", pa.float32()),
+        # x2's ids as the harvest cached them, so on-policy training recomputes the teacher from the same context.
+        ("x2_token_ids", pa.list_(pa.int32())),
         ("meta", pa.string()),
     ]
 )
@@ -42,7 +44,7 @@ COLUMNS = SCHEMA.names
 # Measured on the tiny recipe's 2,048-row harvest with the tail column: level 1 (Arrow's default) 102.8 bytes per
 # redo token, level 6 88.1, at 0.4 s of extra CPU for the whole harvest.
 ZSTD_LEVEL = 6
-OPTIONAL_COLUMNS = {"mix_tail_logprob"}  # absent from shards of earlier versions, which stay readable
+OPTIONAL_COLUMNS = {"mix_tail_logprob", "x2_token_ids"}  # absent from shards of earlier versions (still readable)
 
 
 def shard_name(index: int) -> str:

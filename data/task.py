@@ -39,6 +39,10 @@ class Task(Protocol):
         """What a verifier tells the model about its completion. It must not reveal the gold answer."""
         ...
 
+    def solutions(self, split: Split, n: int) -> dict[str, str]:
+        """The reference working of the first n examples of a split, by id (the gold-SFT control trains on it)."""
+        ...
+
 
 @dataclass
 class TaskConfig:

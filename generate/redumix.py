@@ -22,6 +22,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from redumix.data.chat import template_pieces
+from redumix.data.grading import verdict_feedback
 from redumix.data.prompts import REDO, attempt_messages, critique_messages, redo_messages, reflect_messages
 from redumix.data.task import Example, Task
 from redumix.generate.accounting import Usage
@@ -39,9 +40,11 @@ COMPRESSION_NOTE = "(earlier steps omitted) "
 class RedumixConfig:
     lam: float = field(default=0.5, metadata={"help": "λ: weight of the original context x (1 = plain decoding)."})
     topk: int = field(default=32, metadata={"help": "Top-k ids of p_mix stored per redo token."})
-    feedback: Literal["verifier", "human", "self"] = field(
+    feedback: Literal["verifier", "human", "self", "none", "random"] = field(
         default="verifier",
-        metadata={"help": "Where r comes from: the task's answer check, a JSONL file, or the model."},
+        metadata={"help": "Where r comes from: the task's answer check, a JSONL file, or the model's critique. "
+                  "Ablations: 'none' (reflect with no feedback) and 'random' (a verdict by coin flip, whatever the "
+                  "answer: wrong half the time)."},
     )
     feedback_file: str = field(default="", metadata={"help": "human feedback: JSONL lines with 'id' and 'feedback'."})
     reflection_max_tokens: int = field(default=256, metadata={"help": "Most tokens in the reflection c."})
@@ -73,12 +76,32 @@ class RedumixResult:
     topk_ids: list[list[int]]  # per redo token: top-k ids of p_mix, most likely first
     topk_logprobs: list[list[float]]  # their log p_mix
     tail_logprobs: list[float]  # per redo token: log of p_mix's mass outside the top-k (-inf if k covers V)
+    x2_ids: list[int]  # the ids of x2 = [x ‖ y1 ‖ r ‖ c ‖ REDO] exactly as cached (the on-policy teacher's context)
     usage: Usage
     meta: dict = field(default_factory=dict)
 
 
 # Feedback for example i given the text of its attempt; None asks the model for a self-critique.
 FeedbackFn = Callable[[int, str], str]
+
+
+def task_feedback(mode: str, task: Task, examples: Sequence[Example], seed: int) -> FeedbackFn | None:
+    """r for each example of a batch: the task's verifier, none, a coin-flip verdict, or None (self-critique).
+
+    `random` names the attempt's own answer with a verdict drawn from the example's id, independent of the truth,
+    so it is wrong half the time: the control that shows whether the verdict carries the gain.
+    """
+    if mode == "self":
+        return None
+    if mode == "verifier":
+        return lambda i, attempt: task.feedback(attempt, examples[i])
+    if mode == "none":
+        return lambda i, attempt: ""
+    if mode == "random":
+        return lambda i, attempt: verdict_feedback(
+            task.answer(attempt), example_seed(seed, f"{examples[i].id}/verdict") % 2 == 0
+        )
+    raise ValueError(f"redumix.feedback={mode!r} needs its own source (human feedback is read by the harvest)")
 
 
 def redumix_generate(
@@ -164,6 +187,13 @@ def redumix_generate(
         u.prefill_tokens += len(seg)
         u.fpe += len(seg)
     x2_lengths = state.lengths.tolist()
+    x2_ids = [
+        _x2_prefix(x, ids, n, tokenizer) + tpl_reflect + ct + tpl_redo
+        for x, ids, n, tpl_reflect, ct, tpl_redo in zip(
+            x_ids, y1_in_context, cut, [template_pieces(tokenizer, conv)[-1] for conv in reflect_convs], c,
+            [template_pieces(tokenizer, conv)[2] for conv in redo_convs], strict=True,
+        )
+    ]
     redo = mixture_loop(model, x_context, state, lam, config.topk, policy, seeds["redo"], stop_ids)
 
     results = []
@@ -183,6 +213,7 @@ def redumix_generate(
                 topk_ids=topk_ids,
                 topk_logprobs=topk_lp,
                 tail_logprobs=tail_lp,
+                x2_ids=x2_ids[i],
                 usage=usage[i],
                 meta={
                     "lam": lam,
@@ -206,6 +237,13 @@ def redumix_generate(
             )
         )
     return results
+
+
+def _x2_prefix(x: list[int], y1: list[int], cut: int, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """x ‖ y1 as the cache holds it: a row whose y1 was cut to fit the window holds x ‖ note ‖ the rest of y1."""
+    if not cut:
+        return x + y1
+    return x + tokenizer(COMPRESSION_NOTE, add_special_tokens=False)["input_ids"] + y1
 
 
 def _seeds(global_seed: int, example_ids: Sequence[str], stage: str) -> torch.Tensor:
@@ -293,6 +331,26 @@ def _fit_window(
     return select(merged, [order.index(i) for i in range(len(order))]), cut
 
 
+def mixture_topk(
+    logits_x: torch.Tensor, logits_x2: torch.Tensor, lam: float | torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.return_types.topk, torch.Tensor]:
+    """log p_mix from each context's logits (N, V), its top-k, and the log of its mass outside the top-k.
+
+    The harvest's decode loop and the on-policy teacher (train/onpolicy.py) both call this, so the live target is
+    the stored one. `lam` is a number or (N,) per row. The tail is a float64 logsumexp over the other ids, not
+    1 − Σp, which cancels when the top-k holds nearly all the mass.
+    """
+    logp_x, logp_x2 = torch.log_softmax(logits_x.float(), dim=-1), torch.log_softmax(logits_x2.float(), dim=-1)
+    if isinstance(lam, (int, float)) and lam in (0, 1):  # exact: λ=1 is plain decoding from x, λ=0 from x2
+        mix = logp_x if lam == 1 else logp_x2
+    else:
+        weight = lam if isinstance(lam, (int, float)) else lam.to(logp_x).unsqueeze(-1)
+        mix = torch.log_softmax(weight * logp_x + (1 - weight) * logp_x2, dim=-1)
+    top = torch.topk(mix, min(topk, mix.shape[-1]), dim=-1)
+    tail = torch.logsumexp(mix.double().scatter(-1, top.indices, float("-inf")), dim=-1).float()
+    return mix, top, tail
+
+
 def mixture_loop(
     model: PreTrainedModel,
     x_context: DecodeState,
@@ -313,13 +371,7 @@ def mixture_loop(
 
     def choose(logits: torch.Tensor, live: torch.Tensor, step: int) -> Choice:
         half = logits.shape[0] // 2  # rows 0..n-1 hold x, rows n..2n-1 hold x2
-        logp = torch.log_softmax(logits, dim=-1)
-        if lam == 1 or lam == 0:  # exact, so λ=1 is plain decoding from x and λ=0 from x2, bit for bit
-            mix = logp[:half] if lam == 1 else logp[half:]
-        else:
-            mix = torch.log_softmax(lam * logp[:half] + (1 - lam) * logp[half:], dim=-1)
-        top = torch.topk(mix, min(topk, mix.shape[-1]), dim=-1)
-        tail = torch.logsumexp(mix.double().scatter(-1, top.indices, float("-inf")), dim=-1).float()
+        mix, top, tail = mixture_topk(logits[:half], logits[half:], lam, topk)
         if policy.greedy:
             tokens = mix.argmax(dim=-1)
         else:
@@ -344,11 +396,9 @@ class RedumixDecoder:
     seed: int
 
     def __call__(self, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], task: Task) -> list[Decoded]:
-        feedback = None
-        if self.config.feedback == "verifier":
-            feedback = lambda i, attempt: task.feedback(attempt, examples[i])  # noqa: E731
-        elif self.config.feedback == "human":
+        if self.config.feedback == "human":
             raise ValueError("eval runs ReDuMix with verifier or self feedback; human feedback is for the harvest")
+        feedback = task_feedback(self.config.feedback, task, examples, self.seed)
         results = redumix_generate(model, tokenizer, [e.prompt for e in examples], [e.id for e in examples],
                                    self.config, self.policy, self.seed, stop_token_ids(model, tokenizer), feedback)
         return [

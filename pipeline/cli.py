@@ -1,7 +1,8 @@
 """`redumix STAGE --recipe PATH [--run-dir DIR] [key.sub=value ...]`
 
 Stages: base (build the embedded default model), harvest, train, eval, export (DPO pairs from the shards),
-calibrate (the reflective gate's thresholds), rounds (harvest -> train -> eval again from each round's model).
+calibrate (the reflective gate's thresholds), rounds (harvest -> train -> eval again from each round's model),
+evidence (the controls and ablations of the distillation claim).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 from redumix.pipeline.config import Config, ConfigError, config_to_yaml, load_config
 from redumix.pipeline.run import RunDir, atomic_write_text, print0, rank
 
-STAGES = ("base", "harvest", "train", "eval", "export", "calibrate", "rounds")
+STAGES = ("base", "harvest", "train", "eval", "export", "calibrate", "rounds", "evidence")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,6 +95,10 @@ def run_stage(stage: str, config: Config, run: RunDir) -> None:
         from redumix.pipeline.rounds import run_rounds
 
         run_rounds(config, run)
+    elif stage == "evidence":
+        from redumix.pipeline.evidence import run_evidence
+
+        run_evidence(config, run)
 
 
 if __name__ == "__main__":

@@ -232,6 +232,44 @@ class RoundsConfig:
             raise ValueError("; ".join(problems))
 
 
+EVIDENCE_ARMS = ["mixture", "lambda0", "redo", "gold", "original", "feedback-self", "feedback-none",
+                 "feedback-random", "on-policy"]
+
+
+@dataclass
+class EvidenceConfig:
+    seeds: list[int] = field(
+        default_factory=lambda: [0, 1, 2],
+        metadata={"help": "Trainer seeds (train.seed) of the main arms; the other arms train with the first."},
+    )
+    main_arms: list[str] = field(
+        default_factory=lambda: ["mixture", "lambda0", "redo", "gold", "original"],
+        metadata={"help": f"Arms trained with every seed. Known arms: {', '.join(EVIDENCE_ARMS)}."},
+    )
+    other_arms: list[str] = field(
+        default_factory=lambda: ["feedback-self", "feedback-none", "feedback-random", "on-policy"],
+        metadata={"help": "Arms trained with the first seed only."},
+    )
+    n: int = field(default=1000, metadata={"help": "Held-out test problems per greedy comparison."})
+    variant_steps: int = field(
+        default=4,
+        metadata={"help": "The held-out task variant no arm trains on: arith problems with exactly this many steps."},
+    )
+    drift_n: int = field(default=200, metadata={"help": "Test prompts on which KL(tuned ‖ base) is measured."})
+
+    def __post_init__(self) -> None:
+        problems = []
+        unknown = [a for a in [*self.main_arms, *self.other_arms] if a not in EVIDENCE_ARMS]
+        if unknown:
+            problems.append(f"unknown arms {unknown}; known: {', '.join(EVIDENCE_ARMS)}")
+        if not self.seeds:
+            problems.append("seeds must list at least one seed")
+        if self.n < 1 or self.drift_n < 1 or self.variant_steps < 1:
+            problems.append("n, drift_n and variant_steps must be >= 1")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
 @dataclass
 class Config:
     name: str = field(default="", metadata={"help": "Run name; defaults to the recipe file's stem."})
@@ -253,6 +291,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     rounds: RoundsConfig = field(default_factory=RoundsConfig)
+    evidence: EvidenceConfig = field(default_factory=EvidenceConfig)
 
 
 # --- resolution ---------------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from redumix.data.shards import (
 from redumix.data.task import Example, Task
 from redumix.data.tasks import make_task
 from redumix.generate.model_io import load_model, load_tokenizer, stop_token_ids
-from redumix.generate.redumix import FeedbackFn, RedumixResult, redumix_generate
+from redumix.generate.redumix import FeedbackFn, RedumixResult, redumix_generate, task_feedback
 from redumix.pipeline.base import ensure_base
 from redumix.pipeline.config import Config, config_to_yaml
 from redumix.pipeline.run import (
@@ -148,11 +148,8 @@ def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Examp
 
 def feedback_fn(config: Config, task: Task, batch: list[Example]) -> FeedbackFn | None:
     """r for each example: the verifier's verdict, the human's line for its id, or None (the model critiques)."""
-    mode = config.redumix.feedback
-    if mode == "self":
-        return None
-    if mode == "verifier":
-        return lambda i, attempt: task.feedback(attempt, batch[i])
+    if config.redumix.feedback != "human":
+        return task_feedback(config.redumix.feedback, task, batch, config.seed)
     human = _human_feedback(config.redumix.feedback_file)  # every id was checked before the harvest began
     return lambda i, attempt: human[batch[i].id]
 
@@ -197,6 +194,7 @@ def make_row(
         "mix_topk_ids": result.topk_ids,
         "mix_topk_logprobs": result.topk_logprobs,
         "mix_tail_logprob": result.tail_logprobs,
+        "x2_token_ids": result.x2_ids,
         "lam": result.meta["lam"],
         "meta": {
             **result.meta,

@@ -23,7 +23,9 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from redumix.generate.model_io import load_tokenizer
+from redumix.data.tasks import make_task
+from redumix.generate.model_io import load_tokenizer, stop_token_ids
+from redumix.generate.policy import SamplingPolicy
 from redumix.pipeline.config import Config, config_to_yaml
 from redumix.pipeline.harvest import check_harvest
 from redumix.pipeline.run import (
@@ -38,6 +40,7 @@ from redumix.pipeline.run import (
     world_size,
 )
 from redumix.train.data import build_examples, filter_rows, load_harvest, split_heldout
+from redumix.train.onpolicy import LiveMixtureTeacher
 from redumix.train.trainer import build_trainer, heldout_kl
 
 STAGE = "train"
@@ -55,25 +58,29 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
     tokenizer = load_tokenizer(model_path, config.model.trust_remote_code)
 
     # --- rows -> examples -----------------------------------------------------------------------------------------
-    check_harvest(run.harvest)
-    harvested = load_harvest(run.harvest)
+    harvest_dir = Path(tc.harvest_dir) if tc.harvest_dir else run.harvest
+    check_harvest(harvest_dir)
+    harvested = load_harvest(harvest_dir)
     rows = filter_rows(harvested, tc.rows)
     train_rows, held_rows = split_heldout(rows, tc.heldout_fraction)
     held_rows = held_rows.select(range(min(len(held_rows), tc.heldout_max_rows)))
-    train_examples = build_examples(train_rows, tokenizer, tc.max_length)
+    solutions = gold_solutions(config) if tc.target == "gold" else None
+    on_policy = tc.policy == "on_policy"
+    train_examples = build_examples(train_rows, tokenizer, tc.max_length, tc.target, solutions, on_policy)
+    # The held-out KL is always against the stored p_mix, whatever the arm learns toward: one yardstick for all.
     held_examples = build_examples(held_rows, tokenizer, tc.max_length)
     counts = {"harvested": len(harvested), "selected": len(rows), "train": len(train_examples),
               "heldout": len(held_examples)}
-    print0(f"train: rows {counts} (filter '{tc.rows}')")
+    print0(f"train: rows {counts} (filter '{tc.rows}', target '{tc.target}', policy '{tc.policy}')")
     if len(train_examples) == 0:
         if any(train_rows["redo_token_ids"]):  # rows with a redo, but every prompt alone fills train.max_length
             raise ValueError(
-                f"train: no rows to learn from in {run.harvest}: every selected prompt fills "
+                f"train: no rows to learn from in {harvest_dir}: every selected prompt fills "
                 f"train.max_length={tc.max_length} tokens by itself, leaving no room for its redo; "
                 "raise train.max_length"
             )
         raise ValueError(
-            f"train: no rows to learn from in {run.harvest} with train.rows={tc.rows!r} "
+            f"train: no rows to learn from in {harvest_dir} with train.rows={tc.rows!r} "
             f"({len(harvested)} harvested, {len(rows)} selected); try train.rows=all or harvest more"
         )
     if rank() == 0:
@@ -82,14 +89,18 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
     # --- train (resuming from the last checkpoint if there is one) ------------------------------------------------
     checkpoints = run.train / "checkpoints"
     model = load_model(model_path, config)
+    seed = config.seed if tc.seed < 0 else tc.seed
+    teacher = live_teacher(config, model_path, model, tokenizer, seed) if on_policy else None
     trainer = build_trainer(
-        model, tokenizer, train_examples, tc, str(checkpoints), seed=config.seed, use_cpu=use_cpu(config),
-        processes=world_size(), callbacks=[MetricsToRunLog(run), *(callbacks or [])],
+        model, tokenizer, train_examples, tc, str(checkpoints), seed=seed, use_cpu=use_cpu(config),
+        processes=world_size(), callbacks=[MetricsToRunLog(run), *(callbacks or [])], live_teacher=teacher,
     )
     last = last_complete_checkpoint(checkpoints)
     if last:
         print0(f"train: resuming from {last}")
+    began = time.time()
     trainer.train(resume_from_checkpoint=last)
+    train_seconds = time.time() - began  # of this run's steps (a resumed run's earlier steps are not in it)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
     # --- outputs: adapter, merged model (all ranks save: ZeRO-3 gathers the weights) -----------------------------
@@ -113,7 +124,10 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
     kl_merged = heldout_kl(load_model(merged, config).to(device), held_examples, tokenizer.pad_token_id)
     result = {
         "rows": counts,
+        "target": tc.target,
+        "policy": tc.policy,
         "steps": trainer.state.global_step,
+        "seconds_per_step": round(train_seconds / max(trainer.state.global_step, 1), 4),
         "final_loss": losses[-1] if losses else None,
         "heldout_kl_base": kl_base,
         "heldout_kl_merged": kl_merged,
@@ -137,6 +151,27 @@ def base_model_path(config: Config, run: RunDir) -> Path:
         hint = "run `redumix base` first" if config.model.path == "base" else "set model.path to a local HF folder"
         raise FileNotFoundError(f"no model at {path} ({hint})")
     return path
+
+
+def gold_solutions(config: Config) -> dict[str, str]:
+    """The task's reference working for the rows (train.target gold), from the split and range they came from."""
+    task = make_task(config.task, config.seed)
+    return task.solutions(config.harvest.split, config.harvest.skip + config.harvest.n)
+
+
+def live_teacher(
+    config: Config, model_path: Path, student: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, seed: int
+) -> LiveMixtureTeacher:
+    """The on-policy teacher: the starting model, frozen. With LoRA the student with its adapter disabled is that
+    model; with full fine-tuning it is a second copy, loaded from the same folder."""
+    tc = config.train
+    frozen = None
+    if tc.adapter == "full":
+        device = "cuda" if torch.cuda.is_available() and not use_cpu(config) else "cpu"
+        frozen = load_model(model_path, config).to(device).eval().requires_grad_(False)
+    policy = SamplingPolicy(temperature=tc.onpolicy_temperature, max_new_tokens=tc.onpolicy_max_new_tokens)
+    return LiveMixtureTeacher(frozen, tc.onpolicy_topk, policy, stop_token_ids(student, tokenizer),
+                              tokenizer.pad_token_id, tc.max_length, seed)
 
 
 def last_complete_checkpoint(folder: Path) -> str | None:

@@ -53,8 +53,12 @@ def write_base(folder: Path, arch: str = "llama", seed: int = 0) -> Path:
     return folder
 
 
+def x2_context(low: int, high: int, row: int) -> list[int]:
+    return torch.randint(low, high, (40,), generator=torch.Generator().manual_seed(row)).tolist()
+
+
 def write_harvest(folder: Path, n_rows: int = 48, k: int = 8, length: int = 24, seed: int = 0,
-                  shard_rows: int = 32) -> None:
+                  shard_rows: int = 32, with_x2: bool = True) -> None:
     """Shards with the DESIGN.md columns. Every row's redo follows one bigram teacher; logprobs stored as float16."""
     tokenizer = tiny_tokenizer()
     vocab = len(tokenizer)
@@ -83,8 +87,12 @@ def write_harvest(folder: Path, n_rows: int = 48, k: int = 8, length: int = 24, 
             "reflection": "Recheck.", "redo": tokenizer.decode(ids), "redo_correct": redo_correct,
             "redo_token_ids": ids, "mix_topk_ids": topk_ids, "mix_topk_logprobs": topk_lps, "lam": 0.5,
             "mix_tail_logprob": tails,
+            # x2: a random context of 40 ids for the on-policy teacher (its own generator: the rows stay as they were)
+            "x2_token_ids": x2_context(first_char, vocab, i),
             "meta": json.dumps({"fixture": True}),
         })
+    if not with_x2:  # as a harvest from before the column was written
+        rows = [{k: v for k, v in r.items() if k != "x2_token_ids"} for r in rows]
     folder.mkdir(parents=True, exist_ok=True)
     for shard, start in enumerate(range(0, n_rows, shard_rows)):
         (folder / shard_name(shard)).write_bytes(encode_shard(rows[start : start + shard_rows]))

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 RowFilter = Literal["all", "improved", "redo_correct"]
+Target = Literal["mixture", "redo", "gold", "original"]
 
 
 @dataclass
@@ -16,6 +17,31 @@ class TrainConfig:
     )
     temperature: float = field(
         default=1.0, metadata={"help": "Distillation temperature applied to student logits and teacher log-probs."}
+    )
+    # --- what the student learns toward ---
+    target: Target = field(
+        default="mixture",
+        metadata={"help": "'mixture': the stored p_mix (sparse top-k + tail). Hard labels (SFT), the controls of "
+                  "`redumix evidence`: 'redo' (the harvested redo text), 'gold' (the task's reference working), "
+                  "'original' (the model's own first attempt)."},
+    )
+    policy: Literal["offline", "on_policy"] = field(
+        default="offline",
+        metadata={"help": "'offline': learn the stored p_mix on the harvested redo. 'on_policy': on a fraction "
+                  "`lmbda` of the steps the student samples y from x and the teacher's p_mix is computed live "
+                  "from x and the row's stored x2 (the frozen starting model; with LoRA, the adapter disabled)."},
+    )
+    lmbda: float = field(
+        default=0.5,
+        metadata={"help": "on_policy: fraction of steps on student samples (TRL GKD's lmbda); the other steps "
+                  "learn the stored redo, which the teacher mixture generated (TRL's seq_kd)."},
+    )
+    onpolicy_temperature: float = field(default=1.0, metadata={"help": "on_policy: the student's sampling "
+                                        "temperature."})
+    onpolicy_max_new_tokens: int = field(default=160, metadata={"help": "on_policy: most tokens a student "
+                                         "sample has."})
+    onpolicy_topk: int = field(
+        default=32, metadata={"help": "on_policy: top-k ids of the live p_mix kept (+ tail), as the harvest stores."}
     )
     # --- the data ---
     rows: RowFilter = field(
@@ -37,6 +63,12 @@ class TrainConfig:
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         metadata={"help": "Module names that get LoRA adapters ('all-linear' alone means every linear layer)."},
+    )
+    harvest_dir: str = field(
+        default="", metadata={"help": "Harvest folder to learn from; empty = RUN_DIR/harvest (evidence arms share)."}
+    )
+    seed: int = field(
+        default=-1, metadata={"help": "Trainer seed (initialisation, data order, on-policy samples); -1 = the run's."}
     )
     # --- the optimizer ---
     learning_rate: float = field(default=2e-4, metadata={"help": "Peak learning rate (AdamW)."})
@@ -88,5 +120,12 @@ class TrainConfig:
             problems.append(f"max_steps must be -1 (use epochs) or positive, got {self.max_steps}")
         if not self.lora_target_modules:
             problems.append("lora_target_modules must name at least one module")
+        if not 0.0 <= self.lmbda <= 1.0:
+            problems.append(f"lmbda must lie in [0, 1], got {self.lmbda}")
+        if self.onpolicy_temperature < 0 or self.onpolicy_max_new_tokens < 1 or self.onpolicy_topk < 1:
+            problems.append("onpolicy_temperature must be >= 0, onpolicy_max_new_tokens and onpolicy_topk >= 1")
+        if self.policy == "on_policy" and self.target != "mixture":
+            problems.append(f"policy 'on_policy' learns the live p_mix, so target must be 'mixture', not "
+                            f"{self.target!r}")
         if problems:
             raise ValueError("; ".join(problems))

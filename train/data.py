@@ -11,10 +11,10 @@ import torch
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from redumix.data.chat import prompt_ids
+from redumix.data.chat import prompt_ids, template_pieces
 from redumix.data.prompts import attempt_messages
 from redumix.data.shards import load_shards
-from redumix.train.config import RowFilter
+from redumix.train.config import RowFilter, Target
 
 TEACHER_COLUMNS = ("redo_token_ids", "mix_topk_ids", "mix_topk_logprobs", "mix_tail_logprob")
 
@@ -46,36 +46,71 @@ def split_heldout(rows: Dataset, fraction: float) -> tuple[Dataset, Dataset]:
     return rows.select(train), rows.select(held)
 
 
-def build_examples(rows: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int) -> Dataset:
-    """Tokenise x with the chat template and append y's stored ids; keep the teacher for each kept token of y.
+def build_examples(
+    rows: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    target: Target = "mixture",
+    solutions: dict[str, str] | None = None,
+    with_contexts: bool = False,
+) -> Dataset:
+    """Tokenise x with the chat template and append y; keep the teacher for each kept token of y.
 
-    Rows whose prompt alone fills max_length, or whose redo is empty, are dropped (there is nothing to learn).
+    target 'mixture' appends the stored redo ids with the stored top-k of p_mix. The hard-label targets append a
+    text ('redo', 'gold' from `solutions` by id, or 'original') closed by the template's end-of-turn token, with a
+    one-hot teacher: the same loss is then cross-entropy, so every arm of `redumix evidence` trains one code path.
+    with_contexts keeps x2's ids and λ for the on-policy teacher. Rows whose prompt alone fills max_length, or
+    whose y is empty, are dropped (there is nothing to learn).
     """
-
     has_tail = "mix_tail_logprob" in rows.column_names  # absent in shards of earlier versions
+    if with_contexts and "x2_token_ids" not in rows.column_names:
+        raise ValueError("train.policy=on_policy needs each row's x2 ids (column x2_token_ids), which harvests from "
+                         "before it lack; harvest again into a new run folder")
+    end_of_turn = end_of_turn_ids(tokenizer)
 
     def encode(row: dict[str, Any]) -> dict[str, Any]:
         prompt = prompt_ids(tokenizer, attempt_messages(row["prompt"]))
-        keep = max(0, min(len(row["redo_token_ids"]), max_length - len(prompt)))
-        for column in TEACHER_COLUMNS:
-            if column in row and len(row[column]) != len(row["redo_token_ids"]):
-                raise ValueError(
-                    f"harvest row {row['id']!r}: {column} has {len(row[column])} entries but redo_token_ids has "
-                    f"{len(row['redo_token_ids'])}; the shard is corrupt, delete it and rerun `redumix harvest`"
-                )
-        example = {
-            "input_ids": prompt + list(row["redo_token_ids"][:keep]),
-            "prompt_length": len(prompt),
-            "teacher_ids": row["mix_topk_ids"][:keep],
-            "teacher_logprobs": row["mix_topk_logprobs"][:keep],
-        }
-        if has_tail:
-            example["teacher_tail"] = row["mix_tail_logprob"][:keep]
+        room = max(0, max_length - len(prompt))
+        if target == "mixture":
+            example = {"input_ids": prompt + list(row["redo_token_ids"][:room]), "prompt_length": len(prompt)}
+            example.update(_stored_teacher(row, room, has_tail))
+        else:
+            text = solutions[row["id"]] if target == "gold" else row[target]
+            y = (tokenizer(text, add_special_tokens=False)["input_ids"] + end_of_turn)[:room]
+            example = {"input_ids": prompt + y, "prompt_length": len(prompt), "teacher_ids": [[t] for t in y],
+                       "teacher_logprobs": [[0.0]] * len(y), "teacher_tail": [float("-inf")] * len(y)}
+        if with_contexts:
+            example["x2_ids"] = list(row["x2_token_ids"])
+            example["lam"] = float(row["lam"])
         return example
 
+    if target == "gold":
+        missing = [i for i in rows["id"] if i not in (solutions or {})]
+        if missing:
+            raise ValueError(f"train.target=gold: the task has no reference working for {len(missing)} rows "
+                             f"(e.g. {missing[:3]})")
     keep_columns = {"id"}
     examples = rows.map(encode, remove_columns=[c for c in rows.column_names if c not in keep_columns])
     return examples.filter(lambda e: len(e["input_ids"]) > e["prompt_length"])
+
+
+def _stored_teacher(row: dict[str, Any], keep: int, has_tail: bool) -> dict[str, Any]:
+    for column in TEACHER_COLUMNS:
+        if column in row and len(row[column]) != len(row["redo_token_ids"]):
+            raise ValueError(
+                f"harvest row {row['id']!r}: {column} has {len(row[column])} entries but redo_token_ids has "
+                f"{len(row['redo_token_ids'])}; the shard is corrupt, delete it and rerun `redumix harvest`"
+            )
+    teacher = {"teacher_ids": row["mix_topk_ids"][:keep], "teacher_logprobs": row["mix_topk_logprobs"][:keep]}
+    if has_tail:
+        teacher["teacher_tail"] = row["mix_tail_logprob"][:keep]
+    return teacher
+
+
+def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The token that closes an assistant turn in the chat template (what a redo ends on when it stops)."""
+    pieces = template_pieces(tokenizer, [*attempt_messages("?"), {"role": "assistant", "content": "!"}])
+    return pieces[1][:1]
 
 
 @dataclass
@@ -129,4 +164,12 @@ class SparseTeacherCollator:
         }
         if with_tail:
             out["teacher_tail"] = teacher_tail
+        if all("x2_ids" in f for f in features):  # on-policy rows: x2 right-padded, with its lengths and λ
+            x2_width = max(len(f["x2_ids"]) for f in features)
+            out["x2_ids"] = torch.full((batch, x2_width), self.pad_token_id, dtype=torch.long)
+            for b, f in enumerate(features):
+                out["x2_ids"][b, : len(f["x2_ids"])] = torch.as_tensor(f["x2_ids"], dtype=torch.long)
+            out["x2_lengths"] = torch.tensor([len(f["x2_ids"]) for f in features], dtype=torch.long)
+            out["prompt_lengths"] = torch.tensor([f["prompt_length"] for f in features], dtype=torch.long)
+            out["lam"] = torch.tensor([f["lam"] for f in features], dtype=torch.float32)
         return out

@@ -8,6 +8,7 @@ brings the rest unchanged: peft wrapping, DeepSpeed, checkpoints and resume, log
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -19,15 +20,26 @@ from trl import SFTConfig, SFTTrainer
 from redumix.train.config import TrainConfig
 from redumix.train.data import SparseTeacherCollator
 from redumix.train.loss import select_targets, sparse_gkd_loss
+from redumix.train.onpolicy import LiveMixtureTeacher
 
 
 class SparseGKDTrainer(SFTTrainer):
     """SFTTrainer with compute_loss replaced by the sparse generalized JSD against the batch's stored teacher."""
 
-    def __init__(self, *args: Any, beta: float = 0.0, temperature: float = 1.0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        beta: float = 0.0,
+        temperature: float = 1.0,
+        live_teacher: LiveMixtureTeacher | None = None,
+        lmbda: float = 0.0,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.beta = beta
         self.temperature = temperature
+        self.live_teacher = live_teacher  # train.policy on_policy
+        self.lmbda = lmbda
         # Our loss is normalised by num_items_in_batch, so tell HF Trainer to count it (over labels[..., 1:]) and not
         # to divide the loss again by the gradient-accumulation steps.
         self.model_accepts_loss_kwargs = True
@@ -40,6 +52,10 @@ class SparseGKDTrainer(SFTTrainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        if self.live_teacher is not None and model.training and self.on_policy_step(self.state.global_step):
+            student = self.accelerator.unwrap_model(model)
+            inputs = self.live_teacher.on_policy_batch(student, inputs, self.state.global_step)
+            num_items_in_batch = None  # HF counted the stored batch's tokens; this batch's own count normalises it
         outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False)
         logits, _ = select_targets(outputs.logits, inputs["labels"])
         mask = inputs["teacher_mask"]
@@ -57,6 +73,12 @@ class SparseGKDTrainer(SFTTrainer):
             # ranks: scaling by the rank count makes the step the gradient of (global sum / global count).
             loss = loss * self.accelerator.num_processes
         return (loss, outputs) if return_outputs else loss
+
+    def on_policy_step(self, step: int) -> bool:
+        """Whether optimizer step `step` trains on student samples: a draw fixed by the seed and the step, so a
+        resumed run makes the same choices (TRL's GKD draws `random.random() <= lmbda` per step)."""
+        draw = hashlib.sha256(f"{self.args.seed}:lmbda:{step}".encode()).digest()
+        return int.from_bytes(draw[:8], "big") / 2**64 < self.lmbda
 
 
 class NoFinalCheckpoint(TrainerCallback):
@@ -130,10 +152,12 @@ def build_trainer(
     use_cpu: bool,
     processes: int = 1,
     callbacks: list[TrainerCallback] | None = None,
+    live_teacher: LiveMixtureTeacher | None = None,
 ) -> SparseGKDTrainer:
     """A trainer over examples from `train.data.build_examples`; with adapter 'lora' the model is wrapped by peft.
 
-    `processes` is how many ranks train together (gloo joins them on CPU).
+    `processes` is how many ranks train together (gloo joins them on CPU). `live_teacher` turns on on-policy
+    steps (train.policy on_policy, train/onpolicy.py).
     """
     if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer has no pad token; set one (e.g. pad_token = eos_token) before training")
@@ -149,6 +173,8 @@ def build_trainer(
         callbacks=[NoFinalCheckpoint(), *(callbacks or [])],
         beta=config.beta,
         temperature=config.temperature,
+        live_teacher=live_teacher,
+        lmbda=config.lmbda if live_teacher is not None else 0.0,
     )
 
 

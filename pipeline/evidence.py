@@ -1,0 +1,352 @@
+"""`redumix evidence`: is the mixture a better target than the alternatives, and where does the gain come from?
+
+Every arm trains the same number of steps, on the same harvested problems, from the same base, then is measured the
+same way. The arms (`evidence.main_arms` train with every seed of `evidence.seeds`, `evidence.other_arms` with the
+first):
+  mixture          the stored p_mix at the recipe's λ (0.5), verifier feedback: the product's own target
+  lambda0          p_mix at λ=0, the reflective context alone (a harvest of its own)
+  redo             SFT: the λ-mixture redo text as hard labels
+  gold             SFT: the task's reference working (a control: what a perfect teacher gives)
+  original         SFT: the model's own first attempts (a control: what any fine-tune on this data gives)
+  feedback-self    p_mix from a harvest whose feedback is the model's own critique
+  feedback-none    ... with no feedback at all (reflect only)
+  feedback-random  ... with a coin-flip verdict, wrong half the time
+  on-policy        train.policy on_policy: student samples, the teacher's p_mix computed live
+
+Measured per arm: greedy accuracy on `evidence.n` test problems; greedy accuracy on a task variant no arm trains on
+(`evidence.variant_steps` steps, one more than the recipe's); KL(tuned ‖ base) per token on the tuned model's own
+greedy answers to `evidence.drift_n` test prompts; the held-out KL to the stored p_mix; seconds per step. Paired
+tests compare arms on the same problems: each seed against the same seed of the mixture arm, pooled by a paired
+bootstrap over problems.
+
+RUN_DIR/evidence/ holds one folder per harvest (`harvest-<kind>/`, the recipe's own harvest is RUN_DIR/harvest) and
+one run folder per arm and seed (`<arm>/seed-<s>/` with train/, eval/, variant/, drift.json). Every stage resumes as
+it does alone; `evidence.json`, `evidence.md` and `evidence.png` are written last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from redumix.data.chat import prompt_ids
+from redumix.data.prompts import attempt_messages
+from redumix.generate.model_io import load_model
+from redumix.pipeline.base import ensure_base
+from redumix.pipeline.config import Config, config_to_yaml
+from redumix.pipeline.eval import run_eval
+from redumix.pipeline.harvest import run_harvest
+from redumix.pipeline.records import read_records, records_path
+from redumix.pipeline.report import mcnemar_exact_p, wilson_interval
+from redumix.pipeline.run import RunDir, atomic_write_json, atomic_write_text, model_path, print0, read_json
+from redumix.pipeline.train import run_train
+from redumix.train.data import end_of_turn_ids
+
+# arm -> (which harvest it learns from, its train settings). Harvest kinds: the recipe's own ("verifier"), or one
+# setting changed.
+ARMS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mixture": ("verifier", {}),
+    "lambda0": ("lambda0", {}),
+    "redo": ("verifier", {"target": "redo"}),
+    "gold": ("verifier", {"target": "gold"}),
+    "original": ("verifier", {"target": "original"}),
+    "feedback-self": ("self", {}),
+    "feedback-none": ("none", {}),
+    "feedback-random": ("random", {}),
+    "on-policy": ("verifier", {"policy": "on_policy"}),
+}
+HARVESTS: dict[str, dict[str, Any]] = {
+    "verifier": {},
+    "lambda0": {"lam": 0.0},
+    "self": {"feedback": "self"},
+    "none": {"feedback": "none"},
+    "random": {"feedback": "random"},
+}
+
+
+def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
+    ensure_base(config, run)
+    base = model_path(config.model.path, run).resolve()
+    ev = config.evidence
+    folder = run.root / "evidence"
+    plan = [(arm, seed) for arm in ev.main_arms for seed in ev.seeds]
+    plan += [(arm, ev.seeds[0]) for arm in ev.other_arms if arm not in ev.main_arms]
+    measure(config, RunDir(folder / "base"), base, checkpoint="base")
+    steps = 0  # every arm trains as many steps as the first one did (the mixture arm, seed 0, in the default plan)
+    for arm, seed in plan:
+        harvest = harvest_for(config, run, ARMS[arm][0])
+        here = arm_dir(folder, arm, seed)
+        settings = arm_config(config, base, harvest, arm, seed, steps)
+        print0(f"evidence: arm {arm}, seed {seed} in {here.root}")
+        here.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(here.config, config_to_yaml(settings))
+        trained = run_train(settings, here)
+        steps = steps or trained["steps"]
+        measure(settings, here, here.train / "merged", checkpoint="tuned", base=base)
+    summary = summarize_evidence(config, folder, plan)
+    atomic_write_json(folder / "evidence.json", summary)
+    atomic_write_text(folder / "evidence.md", evidence_markdown(summary))
+    plot_evidence(summary, folder / "evidence.png")
+    print0(evidence_markdown(summary))
+    return summary
+
+
+def arm_dir(folder: Path, arm: str, seed: int) -> RunDir:
+    return RunDir(folder / arm / f"seed-{seed}")
+
+
+def harvest_for(config: Config, run: RunDir, kind: str) -> Path:
+    """The harvest an arm learns from: the recipe's own in RUN_DIR/harvest, or one with one setting changed."""
+    if kind == "verifier":
+        run_harvest(config, run)
+        return run.harvest
+    here = RunDir(run.root / "evidence" / f"harvest-{kind}")
+    settings = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(run.base.resolve()))
+                                   if config.model.path == "base" else config.model,
+                                   redumix=dataclasses.replace(config.redumix, **HARVESTS[kind]))
+    here.root.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(here.config, config_to_yaml(settings))
+    run_harvest(settings, here)
+    return here.harvest
+
+
+def arm_config(config: Config, base: Path, harvest: Path, arm: str, seed: int, steps: int) -> Config:
+    train = dataclasses.replace(config.train, harvest_dir=str(harvest), seed=seed, **ARMS[arm][1])
+    if steps:
+        train = dataclasses.replace(train, max_steps=steps)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(base)), train=train)
+
+
+# --- measuring one model ----------------------------------------------------------------------------------------
+
+
+def measure(config: Config, here: RunDir, model: Path, checkpoint: str, base: Path | None = None) -> None:
+    """Greedy on the test split and on the held-out variant, and (for a tuned model) its drift from the base."""
+    ev = config.evidence
+    greedy_only = dataclasses.replace(config.eval, decoders=["greedy"], tuned_decoders=[], n=ev.n, n_other=ev.n,
+                                      checkpoints=[checkpoint])
+    run_eval(dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(model)),
+                                 eval=greedy_only), here)
+    # The variant runs the model as its "base" checkpoint: model.path is the model measured.
+    variant = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(model)),
+                                  task=dataclasses.replace(config.task, steps_min=ev.variant_steps,
+                                                           steps_max=ev.variant_steps),
+                                  eval=dataclasses.replace(greedy_only, checkpoints=["base"]))
+    run_eval(variant, RunDir(here.root / "variant"))
+    if base is not None and not (here.root / "drift.json").is_file():
+        records = greedy_records(here, checkpoint)[: ev.drift_n]
+        kl = drift_kl(config, model, base, records)
+        atomic_write_json(here.root / "drift.json", {"kl_tuned_base": kl, "prompts": len(records)})
+
+
+def greedy_records(here: RunDir, checkpoint: str) -> list[dict]:
+    return read_records(records_path(here.eval / "generations", checkpoint, "greedy"))
+
+
+@torch.no_grad()
+def drift_kl(config: Config, tuned_path: Path, base_path: Path, records: list[dict], batch: int = 16) -> float:
+    """Mean per-token KL(tuned ‖ base) over the tuned model's own greedy answers (their end-of-turn included)."""
+    tuned, tokenizer = load_model(tuned_path, config.model.dtype, config.model.device, config.model.trust_remote_code)
+    base, _ = load_model(base_path, config.model.dtype, config.model.device, config.model.trust_remote_code)
+    end = end_of_turn_ids(tokenizer)
+    total, tokens = 0.0, 0
+    for start in range(0, len(records), batch):
+        rows = []
+        for r in records[start : start + batch]:
+            x = prompt_ids(tokenizer, attempt_messages(r["prompt"]))
+            rows.append((x, tokenizer(r["output"], add_special_tokens=False)["input_ids"] + end))
+        width = max(len(x) + len(y) for x, y in rows)
+        ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, (x, y) in enumerate(rows):
+            ids[b, : len(x) + len(y)] = torch.tensor(x + y)
+            mask[b, : len(x) + len(y)] = 1
+        device = next(tuned.parameters()).device
+        log_t = torch.log_softmax(tuned(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), -1)
+        log_b = torch.log_softmax(base(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), -1)
+        for b, (x, y) in enumerate(rows):
+            span = slice(len(x) - 1, len(x) - 1 + len(y))  # the positions that predict y
+            total += float((log_t[b, span].exp() * (log_t[b, span] - log_b[b, span])).sum())
+            tokens += len(y)
+    return total / max(tokens, 1)
+
+
+# --- the summary ------------------------------------------------------------------------------------------------
+
+
+def _correct(records: list[dict]) -> dict[str, bool]:
+    return {r["id"]: bool(r["correct"]) for r in records}
+
+
+def summarize_evidence(config: Config, folder: Path, plan: list[tuple[str, int]]) -> dict[str, Any]:
+    base = RunDir(folder / "base")
+    base_test = _correct(greedy_records(base, "base"))
+    base_variant = _correct(greedy_records(RunDir(base.root / "variant"), "base"))
+    runs: dict[str, dict[int, dict[str, Any]]] = {}
+    for arm, seed in plan:
+        here = arm_dir(folder, arm, seed)
+        trained = read_json(here.train / "metrics.json")
+        runs.setdefault(arm, {})[seed] = {
+            "test": _correct(greedy_records(here, "tuned")),
+            "variant": _correct(greedy_records(RunDir(here.root / "variant"), "base")),
+            "drift_kl": read_json(here.root / "drift.json")["kl_tuned_base"],
+            "heldout_kl": trained["heldout_kl_merged"],
+            "seconds_per_step": trained["seconds_per_step"],
+            "steps": trained["steps"],
+            "mean_tokens": _mean([r["tokens"] for r in greedy_records(here, "tuned")]),
+        }
+    arms = {arm: arm_summary(seeds) for arm, seeds in runs.items()}
+    reference = "mixture" if "mixture" in runs else next(iter(runs))
+    comparisons = {}
+    for arm in runs:
+        if arm == reference:
+            continue
+        comparisons[arm] = {
+            "test": paired_arms(runs[reference], runs[arm], "test"),
+            "variant": paired_arms(runs[reference], runs[arm], "variant"),
+        }
+    vs_base = {arm: {part: paired_arms({0: {part: theirs}}, seeds, part, shared_reference=True)
+                     for part, theirs in (("test", base_test), ("variant", base_variant))}
+               for arm, seeds in runs.items()}
+    base_acc = _mean(list(base_test.values()))
+    gold_share = None
+    if "gold" in arms and "mixture" in arms:
+        gold_gain = arms["gold"]["test"]["mean"] - base_acc
+        gold_share = (arms["mixture"]["test"]["mean"] - base_acc) / gold_gain if gold_gain > 0 else None
+    return {
+        "n": config.evidence.n,
+        "variant_steps": config.evidence.variant_steps,
+        "seeds": config.evidence.seeds,
+        "base": {"test": _accuracy(base_test), "variant": _accuracy(base_variant)},
+        "arms": arms,
+        "reference": reference,
+        "vs_reference": comparisons,
+        "vs_base": vs_base,
+        "mixture_share_of_gold_gain": gold_share,
+    }
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _accuracy(correct: dict[str, bool]) -> dict[str, Any]:
+    hits, n = sum(correct.values()), len(correct)
+    low, high = wilson_interval(hits, n)
+    return {"accuracy": hits / n, "n": n, "ci_low": low, "ci_high": high}
+
+
+def arm_summary(seeds: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Mean and spread (min–max) over seeds of each measure."""
+
+    def spread(values: list[float]) -> dict[str, float]:
+        return {"mean": _mean(values), "min": min(values), "max": max(values), "values": values}
+
+    def per_seed(key: str) -> list[float]:
+        return [s[key] if not isinstance(s[key], dict) else _mean(list(s[key].values())) for s in seeds.values()]
+
+    return {"seeds": list(seeds), **{key: spread(per_seed(key)) for key in (
+        "test", "variant", "drift_kl", "heldout_kl", "seconds_per_step", "mean_tokens")},
+        "steps": next(iter(seeds.values()))["steps"]}
+
+
+def paired_arms(
+    reference: dict[int, dict[str, Any]], other: dict[int, dict[str, Any]], part: str, shared_reference: bool = False,
+    resamples: int = 2000,
+) -> dict[str, Any]:
+    """other − reference in accuracy on the same problems, each seed against the same seed (or one shared reference,
+    the base). The 95% interval is a paired bootstrap over problems (a problem's seeds move together); McNemar's
+    exact p is on the discordant pairs pooled over seeds."""
+    seeds = [s for s in other if shared_reference or s in reference]
+    ids = sorted(set.intersection(*(set(other[s][part]) for s in seeds)))
+    ref = (lambda s: reference[next(iter(reference))][part]) if shared_reference else (lambda s: reference[s][part])
+    per_problem = [_mean([int(other[s][part][i]) - int(ref(s)[i]) for s in seeds]) for i in ids]
+    gained = sum(other[s][part][i] and not ref(s)[i] for s in seeds for i in ids)
+    lost = sum(ref(s)[i] and not other[s][part][i] for s in seeds for i in ids)
+    rng = random.Random(0)
+    boot = sorted(_mean(rng.choices(per_problem, k=len(per_problem))) for _ in range(resamples))
+    return {"change": _mean(per_problem), "low": boot[int(0.025 * resamples)], "high": boot[int(0.975 * resamples)],
+            "gained": gained, "lost": lost, "mcnemar_p": mcnemar_exact_p(gained, lost), "problems": len(ids),
+            "seeds": len(seeds)}
+
+
+def evidence_markdown(summary: dict[str, Any]) -> str:
+    ref = summary["reference"]
+    base = summary["base"]
+    lines = [
+        "# Evidence: what the distillation target buys", "",
+        f"Greedy accuracy on {summary['n']} held-out test problems and on a task variant no arm trains on "
+        f"({summary['variant_steps']} steps). Mean over seeds [min–max]; seeds: main arms {summary['seeds']}, others "
+        f"the first. Paired changes: each seed against the same seed of `{ref}`, on the same problems, with a 95% "
+        "paired bootstrap interval over problems and McNemar's exact p on the pooled discordant pairs.", "",
+        f"Base: test {base['test']['accuracy']:.1%} [{base['test']['ci_low']:.1%}–{base['test']['ci_high']:.1%}], "
+        f"variant {base['variant']['accuracy']:.1%} [{base['variant']['ci_low']:.1%}–{base['variant']['ci_high']:.1%}]"
+        f" (n={base['test']['n']}).", "",
+        "| arm | seeds | test accuracy | vs base (test) | variant accuracy | vs base (variant) | KL(tuned ‖ base) | "
+        "held-out KL to p_mix | s/step |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, a in summary["arms"].items():
+        vb = summary["vs_base"][arm]
+        lines.append(
+            f"| {arm} | {len(a['seeds'])} | {_pct(a['test'])} | {_change(vb['test'])} | {_pct(a['variant'])} | "
+            f"{_change(vb['variant'])} | {_num(a['drift_kl'])} | {_num(a['heldout_kl'])} | "
+            f"{a['seconds_per_step']['mean']:.3f} |"
+        )
+    lines += ["", f"## Paired against `{ref}`", "",
+              "| arm | test: change [95% CI] (gained / lost, p) | variant: change [95% CI] (gained / lost, p) |",
+              "|---|---|---|"]
+    for arm, c in summary["vs_reference"].items():
+        lines.append(f"| {arm} | {_change(c['test'])} | {_change(c['variant'])} |")
+    share = summary["mixture_share_of_gold_gain"]
+    if share is not None:
+        lines += ["", f"The mixture arm reaches **{share:.0%}** of the gold-SFT arm's gain over the base (test, mean "
+                      "over seeds)."]
+    return "\n".join(lines) + "\n"
+
+
+def _pct(s: dict[str, float]) -> str:
+    if s["min"] == s["max"]:
+        return f"{s['mean']:.1%}"
+    return f"{s['mean']:.1%} [{s['min']:.1%}–{s['max']:.1%}]"
+
+
+def _num(s: dict[str, float]) -> str:
+    if s["min"] == s["max"]:
+        return f"{s['mean']:.4f}"
+    return f"{s['mean']:.4f} [{s['min']:.4f}–{s['max']:.4f}]"
+
+
+def _change(c: dict[str, Any]) -> str:
+    return (f"{c['change'] * 100:+.1f} [{c['low'] * 100:+.1f}, {c['high'] * 100:+.1f}] "
+            f"({c['gained']} / {c['lost']}, p={c['mcnemar_p']:.2g})")
+
+
+def plot_evidence(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(summary["arms"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, part, title in ((axes[0], "test", "held-out test"), (axes[1], "variant", "held-out variant")):
+        means = [summary["arms"][a][part]["mean"] for a in arms]
+        low = [m - summary["arms"][a][part]["min"] for a, m in zip(arms, means, strict=True)]
+        high = [summary["arms"][a][part]["max"] - m for a, m in zip(arms, means, strict=True)]
+        ax.bar(range(len(arms)), means, yerr=[low, high], capsize=3, color="tab:blue")
+        ax.axhline(summary["base"][part]["accuracy"], color="black", linestyle="--", label="base")
+        ax.set_xticks(range(len(arms)), arms, rotation=35, ha="right")
+        ax.set_ylabel("greedy accuracy (mean, min–max over seeds)")
+        ax.set_title(title)
+        ax.legend()
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
