@@ -14,10 +14,10 @@ first):
   on-policy        train.policy on_policy: student samples, the teacher's p_mix computed live
 
 Measured per arm: greedy accuracy on `evidence.n` test problems; greedy accuracy on a task variant no arm trains on
-(`evidence.variant_steps` steps, one more than the recipe's); KL(tuned ‖ base) per token on the tuned model's own
-greedy answers to `evidence.drift_n` test prompts; the held-out KL to the stored p_mix; seconds per step. Paired
-tests compare arms on the same problems: each seed against the same seed of the mixture arm, pooled by a paired
-bootstrap over problems.
+(numbers up to `evidence.variant_number_max`, larger than the recipe's); KL(tuned ‖ base) per token on the tuned
+model's own greedy answers to `evidence.drift_n` test prompts; the held-out KL to the stored p_mix; seconds per step.
+Paired tests compare arms on the same problems: each seed against the same seed of the mixture arm, pooled by a
+paired bootstrap over problems.
 
 RUN_DIR/evidence/ holds one folder per harvest (`harvest-<kind>/`, the recipe's own harvest is RUN_DIR/harvest) and
 one run folder per arm and seed (`<arm>/seed-<s>/` with train/, eval/, variant/, drift.json). Every stage resumes as
@@ -133,8 +133,8 @@ def measure(config: Config, here: RunDir, model: Path, checkpoint: str, base: Pa
                                  eval=greedy_only), here)
     # The variant runs the model as its "base" checkpoint: model.path is the model measured.
     variant = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(model)),
-                                  task=dataclasses.replace(config.task, steps_min=ev.variant_steps,
-                                                           steps_max=ev.variant_steps),
+                                  task=dataclasses.replace(config.task, start_max=ev.variant_number_max,
+                                                           operand_max=ev.variant_number_max),
                                   eval=dataclasses.replace(greedy_only, checkpoints=["base"]))
     run_eval(variant, RunDir(here.root / "variant"))
     if base is not None and not (here.root / "drift.json").is_file():
@@ -219,7 +219,7 @@ def summarize_evidence(config: Config, folder: Path, plan: list[tuple[str, int]]
         gold_share = (arms["mixture"]["test"]["mean"] - base_acc) / gold_gain if gold_gain > 0 else None
     return {
         "n": config.evidence.n,
-        "variant_steps": config.evidence.variant_steps,
+        "variant_number_max": config.evidence.variant_number_max,
         "seeds": config.evidence.seeds,
         "base": {"test": _accuracy(base_test), "variant": _accuracy(base_variant)},
         "arms": arms,
@@ -280,9 +280,10 @@ def evidence_markdown(summary: dict[str, Any]) -> str:
     lines = [
         "# Evidence: what the distillation target buys", "",
         f"Greedy accuracy on {summary['n']} held-out test problems and on a task variant no arm trains on "
-        f"({summary['variant_steps']} steps). Mean over seeds [min–max]; seeds: main arms {summary['seeds']}, others "
-        f"the first. Paired changes: each seed against the same seed of `{ref}`, on the same problems, with a 95% "
-        "paired bootstrap interval over problems and McNemar's exact p on the pooled discordant pairs.", "",
+        f"(numbers up to {summary['variant_number_max']}). Mean over seeds [min–max]; seeds: main arms "
+        f"{summary['seeds']}, others the first. Paired changes: each seed against the same seed of `{ref}`, on the "
+        "same problems, with a 95% paired bootstrap interval over problems and McNemar's exact p on the pooled "
+        "discordant pairs.", "",
         f"Base: test {base['test']['accuracy']:.1%} [{base['test']['ci_low']:.1%}–{base['test']['ci_high']:.1%}], "
         f"variant {base['variant']['accuracy']:.1%} [{base['variant']['ci_low']:.1%}–{base['variant']['ci_high']:.1%}]"
         f" (n={base['test']['n']}).", "",

@@ -151,3 +151,21 @@ def test_stored_tail_is_the_mass_outside_the_topk(tiny_chat_model):
     assert res.tail_logprobs[0] == pytest.approx(float(torch.logsumexp(mix[outside], 0)), abs=1e-4)
     total = math.fsum(math.exp(v) for v in res.topk_logprobs[0]) + math.exp(res.tail_logprobs[0])
     assert total == pytest.approx(1.0, abs=1e-5)
+
+
+def test_feedback_ablations_none_and_random() -> None:
+    from redumix.data.prompts import REFLECT, reflect_messages
+    from redumix.generate.redumix import task_feedback
+
+    examples = [Example(f"e{i}", "arith", "What is 3 + 4?", "7") for i in range(400)]
+    none = task_feedback("none", ARITH, examples, seed=0)
+    assert none(0, "3 + 4 = 7\nThe answer is 7.") == ""
+    assert reflect_messages("p", "a", "")[-1]["content"] == REFLECT  # reflect only, no empty feedback line
+    random_verdict = task_feedback("random", ARITH, examples, seed=0)
+    right = [random_verdict(i, "The answer is 7.") for i in range(400)]
+    wrong = [random_verdict(i, "The answer is 8.") for i in range(400)]
+    # The verdict ignores the truth: the same coin per example whatever the answer, heads about half the time.
+    assert [v.endswith("correct.") for v in right] == [v.endswith("correct.") for v in wrong]
+    assert 0.4 < sum(v.endswith("correct.") for v in right) / 400 < 0.6
+    assert all("7" in v for v in right) and all("8" in v for v in wrong)  # it names the attempt's own answer
+    assert random_verdict(0, "no number here") == ARITH.feedback("no number here", examples[0])

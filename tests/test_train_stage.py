@@ -14,6 +14,7 @@ from redumix.pipeline.config import load_config
 from redumix.pipeline.run import RunDir
 from redumix.pipeline.train import run_train
 from redumix.train.data import SparseTeacherCollator, build_examples, filter_rows, load_harvest, split_heldout
+from redumix.train.loss import select_targets, sparse_gkd_loss
 from tests.train_fixtures import tiny_tokenizer, write_base, write_harvest
 
 FAST = ["train.batch_size=8", "train.learning_rate=0.005", "train.warmup_ratio=0.0", "train.logging_steps=1",
@@ -85,6 +86,35 @@ def test_collator_aligns_teacher_with_targets(tmp_path: Path) -> None:
     expected = list(rows[0]["redo_token_ids"]) + list(rows[1]["redo_token_ids"][:3])
     assert targets.tolist() == expected
     assert teacher_ids[0].tolist() == rows[0]["mix_topk_ids"][0]
+
+
+@pytest.mark.parametrize("target", ["redo", "gold", "original"])
+def test_hard_label_targets_are_cross_entropy_on_their_text(tmp_path: Path, target: str) -> None:
+    write_harvest(tmp_path, n_rows=3, length=5)
+    tokenizer = tiny_tokenizer()
+    rows = load_harvest(tmp_path)
+    solutions = {r["id"]: f"{r['reference']} is it." for r in rows}
+    examples = build_examples(rows, tokenizer, 1024, target=target, solutions=solutions)
+    texts = {"redo": rows["redo"], "gold": [solutions[i] for i in rows["id"]], "original": rows["original"]}[target]
+    end = tokenizer.convert_tokens_to_ids("<eos>")  # the template closes an assistant turn with it
+    for example, text in zip(examples, texts, strict=True):
+        y = example["input_ids"][example["prompt_length"] :]
+        assert y == tokenizer(text, add_special_tokens=False)["input_ids"] + [end]
+        assert example["teacher_ids"] == [[t] for t in y]
+    batch = SparseTeacherCollator(pad_token_id=tokenizer.pad_token_id)(list(examples))
+    logits = torch.randn(batch["input_ids"].shape[0], batch["input_ids"].shape[1], len(tokenizer))
+    student, labels = select_targets(logits, batch["labels"])
+    mask = batch["teacher_mask"]
+    loss = sparse_gkd_loss(student, batch["teacher_ids"][mask], batch["teacher_logprobs"][mask],
+                           tail_logprob=batch["teacher_tail"][mask])
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(student, labels), atol=1e-6, rtol=0)
+
+
+def test_gold_target_names_rows_without_a_solution(tmp_path: Path) -> None:
+    write_harvest(tmp_path, n_rows=3, length=5)
+    with pytest.raises(ValueError, match="no reference working for 1 rows"):
+        build_examples(load_harvest(tmp_path), tiny_tokenizer(), 1024, target="gold",
+                       solutions={"t-00000": "1", "t-00001": "2"})
 
 
 def test_gradient_accumulation_gives_the_same_step(tmp_path: Path) -> None:
