@@ -2,8 +2,8 @@
 repeated, with the median kept: the machine is shared and noisy, so absolute times mean little.
 
   dual_context_overhead       ReDuMix mixture decode time per token / plain decode time per token
-  baseline_vs_hf_generate_b1  our decoder's tokens/s / `model.generate`'s, batch 1 (greedy, same length)
-  baseline_vs_hf_generate_b8  the same at batch 8
+  baseline_vs_hf_generate_{shape}_b{B}  our decoder's tokens/s / `model.generate`'s (greedy, same length), at
+                              batch 1 and 16, on both shapes. Goal ≥ 1; floor ≈1.0 (see the function).
   batched_harvest_speedup     ReDuMix examples/s at batch 16 / examples/s one at a time
   shard_bytes_per_token       shard bytes on disk / redo tokens, at k=32 (plus the KL of the stored top-k)
   redo_vs_hf_cfg_{shape}_b{B}  the ReDuMix redo's tokens/s, ours over transformers' own implementation of the same
@@ -53,9 +53,13 @@ def load() -> tuple[torch.nn.Module, object, str]:
     return model, tokenizer, describe(model)
 
 
-def median_ratio(numerator: Callable[[], float], denominator: Callable[[], float], repeats: int = 5) -> float:
-    """Median of numerator()/denominator() over interleaved repeats (a warm-up pair first)."""
-    numerator(), denominator()
+def median_ratio(
+    numerator: Callable[[], float], denominator: Callable[[], float], repeats: int = 5, warmup: bool = True
+) -> float:
+    """Median of numerator()/denominator() over interleaved repeats (a warm-up pair first, unless the caller has
+    warmed both up more cheaply)."""
+    if warmup:
+        numerator(), denominator()
     ratios = []
     for _ in range(repeats):
         ratios.append(numerator() / denominator())
@@ -92,7 +96,12 @@ def dual_context_overhead(model, tokenizer, batch: int = 8) -> float:
     return median_ratio(mixture, plain)
 
 
-def baseline_vs_hf_generate(model, tokenizer, batch: int) -> float:
+def baseline_vs_hf_generate(model, tokenizer, batch: int, repeats: int = 5) -> float:
+    """Goal ≥ 1: plain decoding never slower than the library. Both sides run the same forwards (one prefill, then
+    one B-row token per step, TOKENS steps), so the floor is ≈1.0 on a CPU and on a GPU alike; ours gains what it
+    saves per step (a growing cache instead of a torch.cat of the whole cache, fewer Python calls: no logits
+    processors or stopping criteria), which shows where a step is cheap: a small model, or a GPU's latency-bound
+    decode."""
     xs = prompts(tokenizer, batch)
     pad = tokenizer.pad_token_id
     policy = SamplingPolicy(max_new_tokens=TOKENS)
@@ -105,7 +114,7 @@ def baseline_vs_hf_generate(model, tokenizer, batch: int) -> float:
         return timed(lambda: model.generate(**padded, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False,
                                             pad_token_id=pad))
 
-    return median_ratio(hf, ours)  # time ratio hf/ours == tokens/s ratio ours/hf
+    return median_ratio(hf, ours, repeats=repeats)  # time ratio hf/ours == tokens/s ratio ours/hf
 
 
 # A realistic x2: the attempt, verifier feedback and a long-hand reflection make it several times x.
@@ -227,8 +236,10 @@ def run() -> dict[str, float | str]:
     return {
         "decode_model": source,
         "dual_context_overhead": round(dual_context_overhead(model, tokenizer), 3),
-        "baseline_vs_hf_generate_b1": round(baseline_vs_hf_generate(model, tokenizer, 1), 3),
-        "baseline_vs_hf_generate_b8": round(baseline_vs_hf_generate(model, tokenizer, 8), 3),
+        "baseline_vs_hf_generate_embedded_b1": round(baseline_vs_hf_generate(model, tokenizer, 1), 3),
+        "baseline_vs_hf_generate_embedded_b16": round(baseline_vs_hf_generate(model, tokenizer, 16), 3),
+        "baseline_vs_hf_generate_smollm2_b1": round(baseline_vs_hf_generate(smollm2, tokenizer, 1, repeats=3), 3),
+        "baseline_vs_hf_generate_smollm2_b16": round(baseline_vs_hf_generate(smollm2, tokenizer, 16, repeats=2), 3),
         "batched_harvest_speedup": round(batched_harvest_speedup(model, tokenizer), 3),
         "shard_bytes_per_token": round(bytes_per_token, 2),
         "shard_max_kl_vs_exact_topk": kl,

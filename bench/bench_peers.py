@@ -1,0 +1,353 @@
+"""Our pipeline against what a user would write with the libraries it builds on (`make bench`). Every number is a
+ratio of two timings taken side by side in one run, interleaved and repeated, with the median kept.
+
+  harvest_vs_hf_pipeline_{shape}_b{B}   harvest examples/s, `redumix_generate` over the same four stages written
+                                        with transformers' `model.generate` and its CFG redo. Goal ≥ 2.
+    ..._rows_differ                     examples whose redo ids differ between the two pipelines as run
+    ..._x2_differ                       examples whose x2 ids differ (their text round trip against our ids)
+    ..._rows_differ_same_x2             examples whose redo ids differ once their CFG redo is given our x2 ids
+  gkd_offline_vs_trl_live_teacher_{shape}_b{rows}
+                                        step time of TRL's GKDTrainer with a live two-context teacher over our
+                                        offline sparse trainer's step. Goal ≥ 1.5.
+
+The shapes are bench/models.py's, seed-built: `embedded` (hidden 96, 4 layers, vocabulary 768) and `smollm2`
+(SmolLM2-135M's architecture, random weights). The smollm2 runs are cut to what fits in a `make bench`: fewer
+repeats, and 2 training rows instead of 16 (a 135M step at 16 × 160 tokens takes tens of seconds on 2 cores).
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from bench.bench_decode import FEEDBACK, TASK, median_ratio, timed
+from bench.models import embedded_model, embedded_tokenizer, smollm2_shape_model
+from redumix.data.chat import prompt_ids
+from redumix.data.prompts import attempt_messages, redo_messages, reflect_messages
+from redumix.generate.model_io import stop_token_ids
+from redumix.generate.policy import SamplingPolicy
+from redumix.generate.redumix import RedumixConfig, redumix_generate
+from redumix.train.config import TrainConfig
+from redumix.train.data import SparseTeacherCollator
+from redumix.train.trainer import SparseGKDTrainer, training_arguments
+
+with warnings.catch_warnings():  # TRL warns that its experimental API may change; this bench measures that API
+    warnings.simplefilter("ignore")
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+LAM = 0.5
+TOP_K = 32
+# A logit no real one comes near, finite so that transformers' CFG (λ·(cond − uncond) + uncond) never meets inf − inf.
+BLOCKED = -1.0e4
+
+
+# --- harvest: redumix_generate against the same four stages with model.generate -------------------------------------
+
+
+@dataclass
+class Redo:
+    """One example's harvested product, as a shard row holds it."""
+
+    x2: list[int]  # the redo conversation's ids: ours as cached (sampled ids), theirs re-tokenized from text
+    token_ids: list[int]  # the redo's ids, its stop token included when it ended on one
+    topk_ids: list[list[int]]
+    topk_logprobs: list[list[float]]
+    tail_logprobs: list[float]
+
+
+@contextmanager
+def decodable_only(model: PreTrainedModel, vocab: int) -> Iterator[None]:
+    """Keep generation inside the tokenizer's `vocab` ids, on both sides alike.
+
+    SmolLM2's shape has 49,152 ids but the bench's tokenizer 768, and `decode` silently drops ids it does not know.
+    The user's loop re-tokenizes decoded text while ours keeps the sampled ids, so their x2 would lose every token
+    of y1 and c above 768: a shorter context that tells nothing about speed. One masked fill per forward costs both
+    sides the same.
+    """
+    if model.config.vocab_size <= vocab:
+        yield
+        return
+
+    def block(module: torch.nn.Module, args: Any, logits: torch.Tensor) -> torch.Tensor:
+        logits[..., vocab:] = BLOCKED
+        return logits
+
+    handle = model.get_output_embeddings().register_forward_hook(block)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def ours_harvest(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], tokens: int
+) -> list[Redo]:
+    """The harvest's own call: every stage on one growing cache, the redo as one batched 2B-row mixture decode."""
+    config = RedumixConfig(lam=LAM, topk=TOP_K, reflection_max_tokens=tokens)
+    policy = SamplingPolicy(max_new_tokens=tokens)
+    ids = [f"bench-{i}" for i in range(len(prompts))]
+    results = redumix_generate(model, tokenizer, prompts, ids, config, policy, 0, stop_token_ids(model, tokenizer),
+                               lambda i, attempt: FEEDBACK)
+    return [Redo(r.x2_ids, r.redo_token_ids, r.topk_ids, r.topk_logprobs, r.tail_logprobs) for r in results]
+
+
+def hf_harvest(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], tokens: int
+) -> list[Redo]:
+    """The same four stages as a user writes them with `model.generate`: each stage a fresh, left-padded prompt
+    rendered from the chat messages, the redo through transformers' classifier-free guidance with x2 as the
+    negative prompt. Its processor returns λ·(log p(·|x) − log p(·|x2)) + log p(·|x2) (both log-softmaxed), so
+    guidance_scale = λ gives λ·log p(·|x) + (1−λ)·log p(·|x2), the mixture before normalisation (as in
+    `redo_vs_hf_cfg` and tests/test_cfg_reference.py); the top-k and tail are taken from its log-softmax."""
+    pad = tokenizer.pad_token_id
+    stops = stop_token_ids(model, tokenizer)
+    stage = {"max_new_tokens": tokens, "do_sample": False, "pad_token_id": pad, "eos_token_id": stops}
+
+    def generate_text(conversations: list[list[dict]]) -> list[str]:
+        batch = _left_padded(tokenizer, [prompt_ids(tokenizer, c) for c in conversations])
+        out = model.generate(**batch, **stage)
+        return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+
+    y1 = generate_text([attempt_messages(p) for p in prompts])
+    c = generate_text([reflect_messages(p, a, FEEDBACK) for p, a in zip(prompts, y1, strict=True)])
+    x2s = [prompt_ids(tokenizer, redo_messages(p, a, FEEDBACK, r)) for p, a, r in zip(prompts, y1, c, strict=True)]
+    return hf_redo(model, tokenizer, prompts, x2s, tokens)
+
+
+def hf_redo(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], x2s: list[list[int]],
+    tokens: int,
+) -> list[Redo]:
+    """The redo of `hf_harvest`: transformers' CFG on x with x2 as the negative prompt, top-k and tail of p_mix."""
+    stops = stop_token_ids(model, tokenizer)
+    x = _left_padded(tokenizer, [prompt_ids(tokenizer, attempt_messages(p)) for p in prompts])
+    x2 = _left_padded(tokenizer, x2s)
+    out = model.generate(**x, guidance_scale=LAM, negative_prompt_ids=x2["input_ids"],
+                         negative_prompt_attention_mask=x2["attention_mask"], output_scores=True,
+                         return_dict_in_generate=True, max_new_tokens=tokens, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=stops)
+    redo = out.sequences[:, x["input_ids"].shape[1] :]
+    mix = torch.log_softmax(torch.stack(out.scores, dim=1).float(), dim=-1)  # [B, T, V]
+    top = mix.topk(TOP_K, dim=-1)
+    tail = torch.logsumexp(mix.double().scatter(-1, top.indices, float("-inf")), dim=-1).float()
+    redos = []
+    for b, ids in enumerate(redo.tolist()):
+        n = next((t + 1 for t, token in enumerate(ids) if token in stops), len(ids))  # through the first stop
+        redos.append(Redo(x2s[b], ids[:n], top.indices[b, :n].tolist(), top.values[b, :n].tolist(),
+                          tail[b, :n].tolist()))
+    return redos
+
+
+def _left_padded(tokenizer: PreTrainedTokenizerBase, rows: list[list[int]]) -> dict[str, torch.Tensor]:
+    return tokenizer.pad({"input_ids": rows}, return_tensors="pt", padding_side="left")
+
+
+@dataclass
+class HarvestComparison:
+    ratio: float  # examples/s, ours over theirs
+    rows_differ: int  # examples whose redo ids differ between the two pipelines as run
+    x2_differ: int  # examples whose x2 ids differ: their text round trip against our sampled ids
+    rows_differ_same_x2: int  # examples whose redo ids differ when their CFG redo is given our x2 ids
+
+
+def harvest_vs_hf_pipeline(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch: int, n: int, tokens: int = 32,
+    repeats: int = 3,
+) -> HarvestComparison:
+    """Goal ≥ 2. Examples/s of our harvest path (`redumix_generate`: attempt, fixed verifier-style feedback,
+    reflection, mixture redo with the top-k and tail of p_mix) over the loop a user writes with transformers
+    (`hf_harvest`), `n` examples in batches of `batch`, greedy, `tokens` new tokens per stage on both sides.
+
+    Floor: theirs re-encodes every stage's whole prompt (x, then x ‖ y1 ‖ r, then x2 in full as the redo's negative
+    prompt) where ours extends one cache, and their redo runs its second context as a separate forward where ours
+    batches both. At the bench's sizes (|x| ≈ 15-21 tokens, 32 tokens a stage, |x2| ≈ 95) they forward ≈2× the
+    tokens ours does (≈320 against ≈160 an example), in ≈128 model calls to our ≈96. On a CPU that makes ≈2 where
+    a forward costs its tokens (batch 16 on SmolLM2's shape) and ≈1.3 where it costs its call (batch 1, where the
+    weights are read once a call), plus their per-step Python where the model is small. On a GPU, prefills are
+    parallel and decode is latency-bound, so the call count rules: ≈1.3-1.4, and ≈2 only at batches large enough
+    to be compute-bound. The goal of 2 is the floor itself at batch 16 on a CPU; at batch 1 only their per-step
+    overhead can reach it.
+
+    The counts check the product. The two x2 differ wherever decoding y1 or c to text and re-tokenizing does not
+    give back the sampled ids, as it rarely does for a random model (`skip_special_tokens` drops the special tokens
+    it emits; BPE merges its arbitrary pieces differently), and then the redo can differ too. Given our x2 ids,
+    their redo must equal ours, at batch 16 as well: transformers' CFG processor calls the model on x2 without
+    position ids, so a left-padded row's negative context sits at positions shifted by its padding, but rotary
+    embeddings (Llama) see only relative positions, so the shift changes nothing beyond float rounding.
+    """
+    prompts = [e.prompt for e in TASK.examples("test", n)]
+    parts = [prompts[start : start + batch] for start in range(0, n, batch)]
+    outputs: dict[str, list[Redo]] = {}
+
+    def side(name: str, harvest: Callable[..., list[Redo]]) -> Callable[[], float]:
+        def go() -> None:
+            outputs[name] = [redo for part in parts for redo in harvest(model, tokenizer, part, tokens)]
+        return lambda: timed(go)
+
+    with decodable_only(model, len(tokenizer)), torch.no_grad():
+        for harvest in (hf_harvest, ours_harvest):  # warm-up at 2 tokens a stage: a full one costs a repeat
+            harvest(model, tokenizer, parts[0], 2)
+        ratio = median_ratio(side("hf", hf_harvest), side("ours", ours_harvest), repeats=repeats, warmup=False)
+        ours = outputs["ours"]
+        same_x2 = [redo for start, part in zip(range(0, n, batch), parts, strict=True)
+                   for redo in hf_redo(model, tokenizer, part, [r.x2 for r in ours[start : start + batch]], tokens)]
+    return HarvestComparison(
+        ratio,  # time ratio hf/ours == examples/s ratio ours/hf
+        sum(a.token_ids != b.token_ids for a, b in zip(ours, outputs["hf"], strict=True)),
+        sum(a.x2 != b.x2 for a, b in zip(ours, outputs["hf"], strict=True)),
+        sum(a.token_ids != b.token_ids for a, b in zip(ours, same_x2, strict=True)),
+    )
+
+
+# --- training: TRL's GKDTrainer with a live two-context teacher against our offline sparse trainer ----------------
+
+
+class LiveMixtureGKDTrainer(GKDTrainer):
+    """TRL's GKDTrainer trained toward p_mix, the only way TRL can: every step the frozen teacher runs on both
+    contexts, [x ‖ y] and [x2 ‖ y], and p_mix = log_softmax(λ·log p(·|x ‖ y) + (1−λ)·log p(·|x2 ‖ y)) goes to
+    TRL's own `generalized_jsd_loss` in place of the teacher's logits."""
+
+    def __init__(self, *args: Any, lam: float = LAM, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lam = lam
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, torch.Tensor],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+        student = _targets(outputs.logits, inputs["labels"])
+        self.teacher_model.eval()
+        with torch.no_grad():
+            on_x = self.teacher_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+            on_x2 = self.teacher_model(input_ids=inputs["x2_input_ids"], attention_mask=inputs["x2_attention_mask"])
+            # y is the same in both rows, so the two selections line up token for token.
+            mix = torch.log_softmax(self.lam * F.log_softmax(_targets(on_x.logits, inputs["labels"]), dim=-1)
+                                    + (1 - self.lam) * F.log_softmax(_targets(on_x2.logits, inputs["x2_labels"]),
+                                                                     dim=-1), dim=-1)
+        # [N, V] rows: TRL's "batchmean" then divides by N, the target tokens (or by num_items_in_batch).
+        loss = self.generalized_jsd_loss(student, mix, beta=self.beta, temperature=self.temperature,
+                                         num_items_in_batch=num_items_in_batch)
+        return (loss, outputs) if return_outputs else loss
+
+
+def _targets(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The logits that predict each labelled token, [N, V] in row-major order (labels unshifted, -100 = none)."""
+    return logits[:, :-1][labels[:, 1:] != -100]
+
+
+def _training_rows(vocab: int, rows: int, x: int, x2: int, y: int) -> tuple[dict, dict]:
+    """One batch as each trainer reads it: ours [x ‖ y] with a stored top-k + tail of p_mix at every token of y;
+    theirs [x ‖ y] and [x2 ‖ y] for the live teacher. Random ids: the content does not change the cost."""
+    gen = torch.Generator().manual_seed(1)
+    features, x2_features = [], []
+    for _ in range(rows):
+        prompt, context, redo = (torch.randint(7, vocab, (n,), generator=gen).tolist() for n in (x, x2, y))
+        teacher = torch.log_softmax(torch.randn(y, vocab, generator=gen) * 3, dim=-1)
+        top = teacher.topk(TOP_K, dim=-1)
+        tail = torch.logsumexp(teacher.double().scatter(-1, top.indices, float("-inf")), dim=-1)
+        features.append({"input_ids": prompt + redo, "prompt_length": x, "teacher_ids": top.indices.tolist(),
+                         "teacher_logprobs": top.values.half().float().tolist(), "teacher_tail": tail.tolist()})
+        x2_features.append({"input_ids": context + redo, "prompt_length": x2, "teacher_ids": [[0]] * y,
+                            "teacher_logprobs": [[0.0]] * y})
+    collate = SparseTeacherCollator(pad_token_id=0)
+    ours = collate(features)
+    x2_batch = collate(x2_features)
+    theirs = {"input_ids": ours["input_ids"], "attention_mask": ours["attention_mask"], "labels": ours["labels"],
+              "x2_input_ids": x2_batch["input_ids"], "x2_attention_mask": x2_batch["attention_mask"],
+              "x2_labels": x2_batch["labels"]}
+    return ours, theirs
+
+
+def gkd_offline_vs_trl_live_teacher(
+    student: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: int = 16, x: int = 40, x2: int = 280,
+    y: int = 120, repeats: int = 3,
+) -> float:
+    """Goal ≥ 1.5. Step time of TRL's GKDTrainer with a live teacher computing p_mix from x and x2 every step
+    (`LiveMixtureGKDTrainer`, lmbda=0 so both train on the same fixed y) over our offline step (SparseGKDTrainer,
+    the stored top-k + tail of p_mix), on one batch of `rows` rows of x, x2 and y tokens. Both go through
+    `Trainer.training_step` (forward, loss, backward) then the same AdamW step over the same student; float32,
+    β=0 as the tiny recipe trains, interleaved repeats, median ratio. `student` is trained in place; the teacher
+    is a frozen copy of it taken first.
+
+    Floor: theirs does everything ours does plus two teacher forwards over [x ‖ y] and [x2 ‖ y] and a full-vocabulary
+    loss over three [N, V] distributions. A student step (forward + backward) costs about 3 forwards over x ‖ y, so
+    on a compute-bound CPU the ratio is ≈ 1 + (|x| + |x2| + 2|y|) / (3·(|x| + |y|)) ≈ 2.2 at 40/280/120, plus the
+    [N, V] work where the vocabulary is large against the body. On a GPU the same ≈2.2 where the batch makes it
+    compute-bound, toward ≈1.7 where a small batch leaves it latency-bound (two teacher forwards against a forward
+    and a backward, each costing about its call).
+    """
+    teacher = copy.deepcopy(student).eval()  # the frozen starting model
+    student.train()
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-5)  # one optimizer: both step the same weights
+    ours_batch, theirs_batch = _training_rows(min(len(tokenizer), student.config.vocab_size), rows, x, x2, y)
+    tokens = int((ours_batch["labels"][:, 1:] != -100).sum())  # what HF Trainer passes as num_items_in_batch
+    with tempfile.TemporaryDirectory() as out:
+        dataset = Dataset.from_list([{"input_ids": [0, 1]}])  # never read: the steps are fed their batch
+        common = {"output_dir": out, "per_device_train_batch_size": rows, "bf16": False, "use_cpu": True,
+                  "report_to": "none", "max_length": None, "remove_unused_columns": False}
+        trl = LiveMixtureGKDTrainer(
+            model=student, teacher_model=teacher, args=GKDConfig(lmbda=0.0, beta=0.0, temperature=1.0, **common),
+            data_collator=lambda rows: rows, train_dataset=dataset, processing_class=tokenizer,
+            optimizers=(optimizer, None))
+        ours = SparseGKDTrainer(
+            model=student, args=training_arguments(TrainConfig(batch_size=rows, bf16=False), out, 0, True, 1),
+            data_collator=lambda rows: rows, train_dataset=dataset, processing_class=tokenizer,
+            optimizers=(optimizer, None), beta=0.0)
+
+        def step(trainer: Any, batch: dict[str, torch.Tensor]) -> Callable[[], float]:
+            def go() -> None:
+                trainer.training_step(student, dict(batch), num_items_in_batch=tokens)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            return lambda: timed(go)
+
+        return median_ratio(step(trl, theirs_batch), step(ours, ours_batch), repeats=repeats)
+
+
+# (batch, examples, repeats) per shape: a smollm2 example costs ~30x an embedded one, so it gets fewer of both.
+HARVEST_RUNS = {"embedded": ((1, 4, 3), (16, 16, 3)), "smollm2": ((1, 1, 1), (16, 16, 1))}
+TRAIN_RUNS = {"embedded": (16, 3), "smollm2": (2, 2)}  # (rows, repeats)
+FULL = {"tokens": 32, "x": 40, "x2": 280, "y": 120}
+QUICK = {"tokens": 3, "x": 8, "x2": 24, "y": 8}  # only checks that every key comes out: the ratios mean nothing
+
+
+def run(quick: bool = False) -> dict[str, float | int]:
+    torch.set_num_threads(2)
+    size = QUICK if quick else FULL
+    tokenizer = embedded_tokenizer()
+    results: dict[str, float | int] = {}
+    for shape, build in (("embedded", lambda: embedded_model(tokenizer)), ("smollm2", smollm2_shape_model)):
+        model = build()
+        for batch, n, repeats in HARVEST_RUNS[shape]:
+            found = harvest_vs_hf_pipeline(model, tokenizer, batch, n, size["tokens"], repeats)
+            key = f"harvest_vs_hf_pipeline_{shape}_b{batch}"
+            results[key] = round(found.ratio, 3)
+            results[f"{key}_rows_differ"] = found.rows_differ
+            results[f"{key}_x2_differ"] = found.x2_differ
+            results[f"{key}_rows_differ_same_x2"] = found.rows_differ_same_x2
+            print(f"bench_peers: {key} {found}", flush=True)
+        rows, repeats = TRAIN_RUNS[shape]
+        key = f"gkd_offline_vs_trl_live_teacher_{shape}_b{rows}"
+        # Last: it trains `model`.
+        results[key] = round(gkd_offline_vs_trl_live_teacher(model, tokenizer, rows, size["x"], size["x2"], size["y"],
+                                                             1 if quick else repeats), 3)
+        print(f"bench_peers: {key} {results[key]}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    print(run())

@@ -1,0 +1,76 @@
+"""bench/bench_peers.py at toy sizes: both sides of each comparison make the same product, so the ratios time the
+same work."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+
+from bench.bench_peers import (
+    LiveMixtureGKDTrainer,
+    _training_rows,
+    gkd_offline_vs_trl_live_teacher,
+    harvest_vs_hf_pipeline,
+    hf_redo,
+    ours_harvest,
+)
+from redumix.generate.redumix import mixture_topk
+from redumix.train.loss import select_targets, sparse_gkd_loss
+from redumix.train.onpolicy import context_logits
+from tests.conftest import build_tiny_model
+
+PROMPTS = ["Tom has 12 apples and eats 5. How many are left?", "2 + 2?", "Ann buys 3 pens at 4 each. Cost?"]
+
+
+def test_transformers_cfg_redo_equals_ours_given_our_x2(tiny_llama_chat_model):
+    """Left-padded at batch 3: the same redo ids, top-k ids, log p_mix and tails (guidance_scale = λ is right)."""
+    model, tokenizer = tiny_llama_chat_model
+    with torch.no_grad():
+        ours = ours_harvest(model, tokenizer, PROMPTS, 8)
+        theirs = hf_redo(model, tokenizer, PROMPTS, [r.x2 for r in ours], 8)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.topk_ids == b.topk_ids
+        assert torch.allclose(torch.tensor(a.topk_logprobs), torch.tensor(b.topk_logprobs), atol=1e-4)
+        assert torch.allclose(torch.tensor(a.tail_logprobs), torch.tensor(b.tail_logprobs), atol=1e-4)
+
+
+def test_harvest_comparison_runs_and_counts(tiny_llama_chat_model):
+    model, tokenizer = tiny_llama_chat_model
+    found = harvest_vs_hf_pipeline(model, tokenizer, batch=2, n=2, tokens=4, repeats=1)
+    assert found.ratio > 0
+    assert found.rows_differ_same_x2 == 0
+    assert found.rows_differ <= found.x2_differ  # a redo can differ only where its x2 did
+
+
+def test_live_teacher_loss_is_the_sparse_loss_at_full_k(tiny_tokenizer):
+    """TRL's loss on the live p_mix equals ours on the stored p_mix when the top-k is the whole vocabulary."""
+    student = build_tiny_model(tiny_tokenizer, arch="llama", seed=2)
+    teacher = build_tiny_model(tiny_tokenizer, arch="llama", seed=3).eval()
+    vocab = len(tiny_tokenizer)
+    _, inputs = _training_rows(vocab, rows=2, x=3, x2=9, y=5)
+    trainer = SimpleNamespace(teacher_model=teacher, lam=0.3, beta=0.0, temperature=1.0,
+                              generalized_jsd_loss=LiveMixtureGKDTrainer.generalized_jsd_loss)
+    theirs = LiveMixtureGKDTrainer.compute_loss(trainer, student, inputs)
+
+    def split(ids: torch.Tensor, labels: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+        cuts = [(row, int((label == -100).sum())) for row, label in zip(ids, labels, strict=True)]
+        return [row[:n].tolist() for row, n in cuts], [row[n:].tolist() for row, n in cuts]
+
+    xs, ys = split(inputs["input_ids"], inputs["labels"])
+    x2s, _ = split(inputs["x2_input_ids"], inputs["x2_labels"])
+    with torch.no_grad():
+        logits = context_logits(teacher, xs + x2s, ys + ys, 0)
+    stored = [mixture_topk(logits[i], logits[2 + i], 0.3, vocab) for i in range(2)]
+    student_logits, _ = select_targets(student(input_ids=inputs["input_ids"]).logits, inputs["labels"])
+    ours = sparse_gkd_loss(student_logits, torch.cat([top.indices for _, top, _ in stored]),
+                           torch.cat([top.values for _, top, _ in stored]),
+                           tail_logprob=torch.cat([tail for _, _, tail in stored]))
+    assert math.isclose(theirs.item(), ours.item(), rel_tol=1e-4)
+
+
+def test_gkd_comparison_runs(tiny_tokenizer):
+    student = build_tiny_model(tiny_tokenizer, arch="llama", seed=4)  # trained in place: not the shared fixture
+    assert gkd_offline_vs_trl_live_teacher(student, tiny_tokenizer, rows=2, x=4, x2=8, y=4, repeats=1) > 0
