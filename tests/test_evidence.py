@@ -6,9 +6,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
-from redumix.pipeline.config import load_config
+from redumix.pipeline.config import ConfigError, load_config
 from redumix.pipeline.evidence import arm_dir, evidence_markdown, paired_arms, run_evidence
 from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.run import RunDir
@@ -65,3 +66,13 @@ def test_paired_arms_counts_and_interval() -> None:
     assert result["change"] == 0.25 and result["low"] <= 0.25 <= result["high"]
     same = paired_arms(reference, reference, "test")
     assert same["change"] == same["low"] == same["high"] == 0 and same["mcnemar_p"] == 1.0
+
+
+def test_the_config_knows_every_arm_the_stage_runs() -> None:
+    from redumix.pipeline.config import EVIDENCE_ARMS
+    from redumix.pipeline.evidence import ARMS, HARVESTS
+
+    assert list(ARMS) == EVIDENCE_ARMS
+    assert {harvest for harvest, _ in ARMS.values()} == set(HARVESTS)
+    with pytest.raises(ConfigError, match="unknown arms"):
+        load_config(None, ["evidence.other_arms=[mixture, lambda1]"])
