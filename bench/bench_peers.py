@@ -39,6 +39,7 @@ from redumix.generate.policy import SamplingPolicy
 from redumix.generate.redumix import RedumixConfig, redumix_generate
 from redumix.train.config import TrainConfig
 from redumix.train.data import SparseTeacherCollator
+from redumix.train.loss import select_targets
 from redumix.train.trainer import SparseGKDTrainer, training_arguments
 
 with warnings.catch_warnings():  # TRL warns that its experimental API may change; this bench measures that API
@@ -229,24 +230,20 @@ class LiveMixtureGKDTrainer(GKDTrainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
-        student = _targets(outputs.logits, inputs["labels"])
+        student, _ = select_targets(outputs.logits, inputs["labels"])
         self.teacher_model.eval()
         with torch.no_grad():
             on_x = self.teacher_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
             on_x2 = self.teacher_model(input_ids=inputs["x2_input_ids"], attention_mask=inputs["x2_attention_mask"])
             # y is the same in both rows, so the two selections line up token for token.
-            mix = torch.log_softmax(self.lam * F.log_softmax(_targets(on_x.logits, inputs["labels"]), dim=-1)
-                                    + (1 - self.lam) * F.log_softmax(_targets(on_x2.logits, inputs["x2_labels"]),
-                                                                     dim=-1), dim=-1)
+            logits_x, _ = select_targets(on_x.logits, inputs["labels"])
+            logits_x2, _ = select_targets(on_x2.logits, inputs["x2_labels"])
+            mix = torch.log_softmax(self.lam * F.log_softmax(logits_x, dim=-1)
+                                    + (1 - self.lam) * F.log_softmax(logits_x2, dim=-1), dim=-1)
         # [N, V] rows: TRL's "batchmean" then divides by N, the target tokens (or by num_items_in_batch).
         loss = self.generalized_jsd_loss(student, mix, beta=self.beta, temperature=self.temperature,
                                          num_items_in_batch=num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
-
-
-def _targets(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The logits that predict each labelled token, [N, V] in row-major order (labels unshifted, -100 = none)."""
-    return logits[:, :-1][labels[:, 1:] != -100]
 
 
 def _training_rows(vocab: int, rows: int, x: int, x2: int, y: int) -> tuple[dict, dict]:

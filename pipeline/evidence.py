@@ -45,6 +45,7 @@ from redumix.pipeline.report import mcnemar_exact_p, wilson_interval
 from redumix.pipeline.run import RunDir, atomic_write_json, atomic_write_text, model_path, print0, read_json
 from redumix.pipeline.train import run_train
 from redumix.train.data import end_of_turn_ids
+from redumix.train.onpolicy import context_logits
 
 # arm -> (which harvest it learns from, its train settings). Harvest kinds: the recipe's own ("verifier"), or one
 # setting changed.
@@ -155,23 +156,15 @@ def drift_kl(config: Config, tuned_path: Path, base_path: Path, records: list[di
     end = end_of_turn_ids(tokenizer)
     total, tokens = 0.0, 0
     for start in range(0, len(records), batch):
-        rows = []
-        for r in records[start : start + batch]:
-            x = prompt_ids(tokenizer, attempt_messages(r["prompt"]))
-            rows.append((x, tokenizer(r["output"], add_special_tokens=False)["input_ids"] + end))
-        width = max(len(x) + len(y) for x, y in rows)
-        ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, (x, y) in enumerate(rows):
-            ids[b, : len(x) + len(y)] = torch.tensor(x + y)
-            mask[b, : len(x) + len(y)] = 1
-        device = next(tuned.parameters()).device
-        log_t = torch.log_softmax(tuned(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), -1)
-        log_b = torch.log_softmax(base(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), -1)
-        for b, (x, y) in enumerate(rows):
-            span = slice(len(x) - 1, len(x) - 1 + len(y))  # the positions that predict y
-            total += float((log_t[b, span].exp() * (log_t[b, span] - log_b[b, span])).sum())
-            tokens += len(y)
+        chunk = records[start : start + batch]
+        xs = [prompt_ids(tokenizer, attempt_messages(r["prompt"])) for r in chunk]
+        ys = [tokenizer(r["output"], add_special_tokens=False)["input_ids"] + end for r in chunk]
+        on_tuned = context_logits(tuned, xs, ys, tokenizer.pad_token_id)
+        on_base = context_logits(base, xs, ys, tokenizer.pad_token_id)
+        for logits_t, logits_b in zip(on_tuned, on_base, strict=True):
+            log_t, log_b = torch.log_softmax(logits_t, -1), torch.log_softmax(logits_b, -1)
+            total += float((log_t.exp() * (log_t - log_b)).sum())
+            tokens += log_t.shape[0]
     return total / max(tokens, 1)
 
 

@@ -119,7 +119,7 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
         _replace_dir(saved, merged)
 
     # --- held-out KL(p_mix ‖ model), base against merged ------------------------------------------------------------
-    device = "cuda" if torch.cuda.is_available() and not use_cpu(config) else "cpu"
+    device = train_device(config)
     kl_base = heldout_kl(load_model(model_path, config).to(device), held_examples, tokenizer.pad_token_id)
     kl_merged = heldout_kl(load_model(merged, config).to(device), held_examples, tokenizer.pad_token_id)
     result = {
@@ -167,8 +167,7 @@ def live_teacher(
     tc = config.train
     frozen = None
     if tc.adapter == "full":
-        device = "cuda" if torch.cuda.is_available() and not use_cpu(config) else "cpu"
-        frozen = load_model(model_path, config).to(device).eval().requires_grad_(False)
+        frozen = load_model(model_path, config).to(train_device(config)).eval().requires_grad_(False)
     policy = SamplingPolicy(temperature=tc.onpolicy_temperature, max_new_tokens=tc.onpolicy_max_new_tokens)
     return LiveMixtureTeacher(frozen, tc.onpolicy_topk, policy, stop_token_ids(student, tokenizer),
                               tokenizer.pad_token_id, tc.max_length, seed)
@@ -200,6 +199,11 @@ def last_complete_checkpoint(folder: Path) -> str | None:
 
 def use_cpu(config: Config) -> bool:
     return config.model.device == "cpu" or not torch.cuda.is_available()
+
+
+def train_device(config: Config) -> str:
+    """Where rank 0's extra models (the frozen teacher, the held-out KL's) go: the GPU unless the config says CPU."""
+    return "cuda" if torch.cuda.is_available() and not use_cpu(config) else "cpu"
 
 
 def load_model(path: Path, config: Config) -> torch.nn.Module:
