@@ -3,6 +3,8 @@ ratio of two timings taken side by side in one run, interleaved and repeated, wi
 
   harvest_vs_hf_pipeline_{shape}_b{B}   harvest examples/s, `redumix_generate` over the same four stages written
                                         with transformers' `model.generate` and its CFG redo. Goal ≥ 2.
+    ..._calls_ratio                     their forward calls over ours: the floor where a forward costs its call
+    ..._positions_ratio                 their row-positions forwarded over ours: the floor where it costs its tokens
     ..._rows_differ                     examples whose redo ids differ between the two pipelines as run
     ..._x2_differ                       examples whose x2 ids differ (their text round trip against our ids)
     ..._rows_differ_same_x2             examples whose redo ids differ once their CFG redo is given our x2 ids
@@ -154,8 +156,38 @@ def _left_padded(tokenizer: PreTrainedTokenizerBase, rows: list[list[int]]) -> d
 
 
 @dataclass
+class Forwards:
+    """What one side asked of the model: forward calls, and row-positions fed (rows × new positions, padding
+    included), the two quantities a harvest's time follows where a forward costs its call or its tokens."""
+
+    calls: int = 0
+    positions: int = 0
+
+
+@contextmanager
+def counting(model: PreTrainedModel, into: Forwards) -> Iterator[None]:
+    """Count every forward of `model` (transformers' CFG calls the model itself for its second context, so its
+    calls are counted too). A pre-hook costs microseconds against a forward's milliseconds, on both sides alike."""
+
+    def count(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        fed = kwargs.get("input_ids", args[0] if args else None)
+        if fed is None:
+            fed = kwargs["inputs_embeds"]
+        into.calls += 1
+        into.positions += fed.shape[0] * fed.shape[1]
+
+    handle = model.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@dataclass
 class HarvestComparison:
     ratio: float  # examples/s, ours over theirs
+    calls_ratio: float  # forward calls, theirs over ours: the ratio's floor where a forward costs its call
+    positions_ratio: float  # row-positions forwarded, theirs over ours: its floor where a forward costs its tokens
     rows_differ: int  # examples whose redo ids differ between the two pipelines as run
     x2_differ: int  # examples whose x2 ids differ: their text round trip against our sampled ids
     rows_differ_same_x2: int  # examples whose redo ids differ when their CFG redo is given our x2 ids
@@ -190,9 +222,13 @@ def harvest_vs_hf_pipeline(
     parts = [prompts[start : start + batch] for start in range(0, n, batch)]
     outputs: dict[str, list[Redo]] = {}
 
+    forwards: dict[str, Forwards] = {}
+
     def side(name: str, harvest: Callable[..., list[Redo]]) -> Callable[[], float]:
         def go() -> None:
-            outputs[name] = [redo for part in parts for redo in harvest(model, tokenizer, part, tokens)]
+            forwards[name] = Forwards()  # the last repeat's counts: every repeat makes the same calls
+            with counting(model, forwards[name]):
+                outputs[name] = [redo for part in parts for redo in harvest(model, tokenizer, part, tokens)]
         return lambda: timed(go)
 
     with decodable_only(model, len(tokenizer)), torch.no_grad():
@@ -204,6 +240,8 @@ def harvest_vs_hf_pipeline(
                    for redo in hf_redo(model, tokenizer, part, [r.x2 for r in ours[start : start + batch]], tokens)]
     return HarvestComparison(
         ratio,  # time ratio hf/ours == examples/s ratio ours/hf
+        forwards["hf"].calls / forwards["ours"].calls,
+        forwards["hf"].positions / forwards["ours"].positions,
         sum(a.token_ids != b.token_ids for a, b in zip(ours, outputs["hf"], strict=True)),
         sum(a.x2 != b.x2 for a, b in zip(ours, outputs["hf"], strict=True)),
         sum(a.token_ids != b.token_ids for a, b in zip(ours, same_x2, strict=True)),
@@ -316,7 +354,7 @@ def gkd_offline_vs_trl_live_teacher(
 
 
 # (batch, examples, repeats) per shape: a smollm2 example costs ~30x an embedded one, so it gets fewer of both.
-HARVEST_RUNS = {"embedded": ((1, 4, 3), (16, 16, 3)), "smollm2": ((1, 1, 1), (16, 16, 1))}
+HARVEST_RUNS = {"embedded": ((1, 4, 5), (16, 16, 5)), "smollm2": ((1, 1, 1), (16, 16, 1))}
 TRAIN_RUNS = {"embedded": (16, 3), "smollm2": (2, 2)}  # (rows, repeats)
 FULL = {"tokens": 32, "x": 40, "x2": 280, "y": 120}
 QUICK = {"tokens": 3, "x": 8, "x2": 24, "y": 8}  # only checks that every key comes out: the ratios mean nothing
@@ -333,6 +371,8 @@ def run(quick: bool = False) -> dict[str, float | int]:
             found = harvest_vs_hf_pipeline(model, tokenizer, batch, n, size["tokens"], repeats)
             key = f"harvest_vs_hf_pipeline_{shape}_b{batch}"
             results[key] = round(found.ratio, 3)
+            results[f"{key}_calls_ratio"] = round(found.calls_ratio, 3)
+            results[f"{key}_positions_ratio"] = round(found.positions_ratio, 3)
             results[f"{key}_rows_differ"] = found.rows_differ
             results[f"{key}_x2_differ"] = found.x2_differ
             results[f"{key}_rows_differ_same_x2"] = found.rows_differ_same_x2

@@ -5,6 +5,7 @@ stops it early), on a seed-built random Llama of the embedded default's shape (b
 4 layers, vocabulary 768) with its `<|reflect|>` markers. Sequential: the hidden
 token and its R_END peek are two forward passes. Dual-path: one pass with both. Same tokens, same FPE; the runs
 alternate and the medians are compared. Prefill is outside the timed region's difference (both runs pay it).
+Ceiling ≈2 where a forward costs its call (this small model, a GPU's decode), ≈1 where it costs its rows.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from redumix.generate.policy import SamplingPolicy
 from redumix.generate.reflective import ReflectiveConfig, reflective_generate
 
 REFLECT_LENGTH = 48
-REPEATS = 5
+REPEATS = 9  # the ratio's two sides each take well under a second, so its noise is the machine's
 
 
 def _time_reflection(model, tokenizer, prompts, dual_path: bool) -> float:

@@ -5,7 +5,8 @@ backward, AdamW step. Only the loss differs: the sparse generalized JSD over the
 (train/loss.py) against cross-entropy on the redo tokens. The two alternate, REPEATS times each after a warm-up,
 and the medians are compared. `gkd_vs_sft_step` uses the embedded default's shape (bench/models.py: Llama,
 hidden 96, 4 layers, vocabulary 768); `gkd_vs_sft_step_vocab32k` the same body with a 32k vocabulary, where the
-loss is a larger share.
+loss is a larger share. Floor 1.0 on a CPU and a GPU alike: both losses need the student's full log-softmax, and the
+sparse one only gathers k + 1 entries of it where cross-entropy gathers one.
 """
 
 from __future__ import annotations

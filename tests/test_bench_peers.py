@@ -9,8 +9,10 @@ from types import SimpleNamespace
 import torch
 
 from bench.bench_peers import (
+    Forwards,
     LiveMixtureGKDTrainer,
     _training_rows,
+    counting,
     gkd_offline_vs_trl_live_teacher,
     harvest_vs_hf_pipeline,
     hf_redo,
@@ -43,6 +45,22 @@ def test_harvest_comparison_runs_and_counts(tiny_llama_chat_model):
     assert found.ratio > 0
     assert found.rows_differ_same_x2 == 0
     assert found.rows_differ <= found.x2_differ  # a redo can differ only where its x2 did
+    # Their CFG redo calls the model twice a token and every stage re-encodes its prompt; ours extends one cache.
+    assert found.calls_ratio > 1
+    assert found.positions_ratio > 1
+
+
+def test_counting_sees_every_forward_generate_makes(tiny_llama_chat_model):
+    model, tokenizer = tiny_llama_chat_model
+    batch = tokenizer.pad({"input_ids": [[5, 6, 7], [8, 9]]}, return_tensors="pt", padding_side="left")
+    seen = Forwards()
+    with counting(model, seen), torch.no_grad():
+        model(**batch)
+        model.generate(**batch, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                       pad_token_id=tokenizer.pad_token_id)
+    assert (seen.calls, seen.positions) == (1 + 3, 2 * 3 + (2 * 3 + 2 * 1 + 2 * 1))
+    model(**batch)  # the hook is gone afterwards
+    assert seen.calls == 4
 
 
 def test_live_teacher_loss_is_the_sparse_loss_at_full_k(tiny_tokenizer):
