@@ -11,6 +11,7 @@ import torch
 from bench.bench_peers import (
     Forwards,
     LiveMixtureGKDTrainer,
+    Stages,
     _training_rows,
     counting,
     gkd_offline_vs_trl_live_teacher,
@@ -30,7 +31,7 @@ def test_transformers_cfg_redo_equals_ours_given_our_x2(tiny_llama_chat_model):
     """Left-padded at batch 3: the same redo ids, top-k ids, log p_mix and tails (guidance_scale = λ is right)."""
     model, tokenizer = tiny_llama_chat_model
     with torch.no_grad():
-        ours = ours_harvest(model, tokenizer, PROMPTS, 8)
+        ours = ours_harvest(model, tokenizer, PROMPTS, Stages(8, 5))
         theirs = hf_redo(model, tokenizer, PROMPTS, [r.x2 for r in ours], 8)
     for a, b in zip(ours, theirs, strict=True):
         assert a.token_ids == b.token_ids
@@ -41,7 +42,7 @@ def test_transformers_cfg_redo_equals_ours_given_our_x2(tiny_llama_chat_model):
 
 def test_harvest_comparison_runs_and_counts(tiny_llama_chat_model):
     model, tokenizer = tiny_llama_chat_model
-    found = harvest_vs_hf_pipeline(model, tokenizer, batch=2, n=2, tokens=4, repeats=1)
+    found = harvest_vs_hf_pipeline(model, tokenizer, batch=2, n=2, tokens=Stages(4, 6), repeats=1)
     assert found.ratio > 0
     assert found.rows_differ_same_x2 == 0
     assert found.rows_differ <= found.x2_differ  # a redo can differ only where its x2 did
