@@ -23,7 +23,6 @@ repeats, and 2 training rows instead of 16 (a 135M step at 16 × 160 tokens take
 from __future__ import annotations
 
 import copy
-import itertools
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -390,17 +389,17 @@ def run(quick: bool = False) -> dict[str, float | int]:
         model = build()
         fixed = Stages(size["tokens"], size["tokens"])
         real = fixed if quick else REAL_STAGES[shape]
-        for (batch, n, repeats), (name, stages) in itertools.product(HARVEST_RUNS[shape], ((shape, fixed),
-                                                                                         (f"{shape}_real", real))):
-            found = harvest_vs_hf_pipeline(model, tokenizer, batch, n, stages, repeats)
-            key = f"harvest_vs_hf_pipeline_{name}_b{batch}"
-            results[key] = round(found.ratio, 3)
-            results[f"{key}_calls_ratio"] = round(found.calls_ratio, 3)
-            results[f"{key}_positions_ratio"] = round(found.positions_ratio, 3)
-            results[f"{key}_rows_differ"] = found.rows_differ
-            results[f"{key}_x2_differ"] = found.x2_differ
-            results[f"{key}_rows_differ_same_x2"] = found.rows_differ_same_x2
-            print(f"bench_peers: {key} {found}", flush=True)
+        for batch, n, repeats in HARVEST_RUNS[shape]:
+            for name, stages in ((shape, fixed), (f"{shape}_real", real)):
+                found = harvest_vs_hf_pipeline(model, tokenizer, batch, n, stages, repeats)
+                key = f"harvest_vs_hf_pipeline_{name}_b{batch}"
+                results[key] = round(found.ratio, 3)
+                results[f"{key}_calls_ratio"] = round(found.calls_ratio, 3)
+                results[f"{key}_positions_ratio"] = round(found.positions_ratio, 3)
+                results[f"{key}_rows_differ"] = found.rows_differ
+                results[f"{key}_x2_differ"] = found.x2_differ
+                results[f"{key}_rows_differ_same_x2"] = found.rows_differ_same_x2
+                print(f"bench_peers: {key} {found}", flush=True)
         rows, repeats = TRAIN_RUNS[shape]
         key = f"gkd_offline_vs_trl_live_teacher_{shape}_b{rows}"
         # Last: it trains `model`.
