@@ -6,6 +6,11 @@ ratio of two timings taken side by side in one run, interleaved and repeated, wi
                                         Goal ≥ 2.
   harvest_vs_hf_pipeline_{shape}_real_b{B}  the same at the stage lengths of a real harvest of that shape
                                         (REAL_STAGES). Goal ≥ 2.
+  harvest_vs_hf_pipeline_embedded[_real]_compiled_b{B}
+                                        the same with our one-token steps compiled (`model.compile_decoding`);
+                                        theirs stays as `generate` runs it. Goal ≥ 2.
+  compile_decoding_seconds_embedded     the one-off compile those keys exclude (a batch of 1, then any batch)
+  compile_decoding_graphs_embedded      graphs compiled by the end: 2 means no recompile while timing
     ..._calls_ratio                     their forward calls over ours: the floor where a forward costs its call
     ..._positions_ratio                 their row-positions forwarded over ours: the floor where it costs its tokens
     ..._rows_differ                     examples whose redo ids differ between the two pipelines as run
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -42,6 +48,7 @@ from redumix.data.prompts import attempt_messages, redo_messages, reflect_messag
 from redumix.generate.model_io import stop_token_ids
 from redumix.generate.policy import SamplingPolicy
 from redumix.generate.redumix import RedumixConfig, redumix_generate
+from redumix.generate.state import COMPILED_FORWARD, use_compiled_decoding
 from redumix.train.config import TrainConfig
 from redumix.train.data import SparseTeacherCollator
 from redumix.train.loss import select_targets
@@ -189,10 +196,20 @@ def counting(model: PreTrainedModel, into: Forwards) -> Iterator[None]:
         into.positions += fed.shape[0] * fed.shape[1]
 
     handle = model.register_forward_pre_hook(count, with_kwargs=True)
+    compiled = getattr(model, COMPILED_FORWARD, None)
+    if compiled is not None:  # the compiled step calls the compiled `model.forward`, past the module's hooks
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            count(model, args, kwargs)
+            return compiled(*args, **kwargs)
+
+        setattr(model, COMPILED_FORWARD, counted)
     try:
         yield
     finally:
         handle.remove()
+        if compiled is not None:
+            setattr(model, COMPILED_FORWARD, compiled)
 
 
 @dataclass
@@ -380,6 +397,26 @@ FULL = {"tokens": 32, "x": 40, "x2": 280, "y": 120}
 QUICK = {"tokens": 3, "x": 8, "x2": 24, "y": 8}  # only checks that every key comes out: the ratios mean nothing
 
 
+def record_harvest(results: dict[str, float | int], key: str, found: HarvestComparison) -> None:
+    results[key] = round(found.ratio, 3)
+    results[f"{key}_calls_ratio"] = round(found.calls_ratio, 3)
+    results[f"{key}_positions_ratio"] = round(found.positions_ratio, 3)
+    results[f"{key}_rows_differ"] = found.rows_differ
+    results[f"{key}_x2_differ"] = found.x2_differ
+    results[f"{key}_rows_differ_same_x2"] = found.rows_differ_same_x2
+    print(f"bench_peers: {key} {found}", flush=True)
+
+
+def compile_decoding(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> float:
+    """Seconds to turn on `use_compiled_decoding` and compile its two graphs: one harvest of a single example decodes
+    a batch of 1 (attempt, reflection) and of 2 (the redo's two contexts), which is dynamic for any larger batch."""
+    began = time.perf_counter()
+    use_compiled_decoding(model)
+    with torch.no_grad():
+        ours_harvest(model, tokenizer, [e.prompt for e in TASK.examples("test", 1)], Stages(2, 2))
+    return time.perf_counter() - began
+
+
 def run(quick: bool = False) -> dict[str, float | int]:
     torch.set_num_threads(2)
     size = QUICK if quick else FULL
@@ -391,15 +428,17 @@ def run(quick: bool = False) -> dict[str, float | int]:
         real = fixed if quick else REAL_STAGES[shape]
         for batch, n, repeats in HARVEST_RUNS[shape]:
             for name, stages in ((shape, fixed), (f"{shape}_real", real)):
-                found = harvest_vs_hf_pipeline(model, tokenizer, batch, n, stages, repeats)
-                key = f"harvest_vs_hf_pipeline_{name}_b{batch}"
-                results[key] = round(found.ratio, 3)
-                results[f"{key}_calls_ratio"] = round(found.calls_ratio, 3)
-                results[f"{key}_positions_ratio"] = round(found.positions_ratio, 3)
-                results[f"{key}_rows_differ"] = found.rows_differ
-                results[f"{key}_x2_differ"] = found.x2_differ
-                results[f"{key}_rows_differ_same_x2"] = found.rows_differ_same_x2
-                print(f"bench_peers: {key} {found}", flush=True)
+                record_harvest(results, f"harvest_vs_hf_pipeline_{name}_b{batch}",
+                               harvest_vs_hf_pipeline(model, tokenizer, batch, n, stages, repeats))
+        if shape == "embedded":
+            # Compiled only here: at SmolLM2's shape a compile takes minutes and a CPU step gains little at batch 16.
+            results["compile_decoding_seconds_embedded"] = round(compile_decoding(model, tokenizer), 1)
+            for batch, n, repeats in HARVEST_RUNS[shape]:
+                for name, stages in ((shape, fixed), (f"{shape}_real", real)):
+                    record_harvest(results, f"harvest_vs_hf_pipeline_{name}_compiled_b{batch}",
+                                   harvest_vs_hf_pipeline(model, tokenizer, batch, n, stages, repeats))
+            results["compile_decoding_graphs_embedded"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+            delattr(model, COMPILED_FORWARD)
         rows, repeats = TRAIN_RUNS[shape]
         key = f"gkd_offline_vs_trl_live_teacher_{shape}_b{rows}"
         # Last: it trains `model`.

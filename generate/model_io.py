@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from redumix.generate.state import use_compiled_decoding
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -22,14 +24,21 @@ def pick_device(device: str = "auto") -> torch.device:
 
 
 def load_model(
-    path: str | Path, dtype: str = "float32", device: str = "auto", trust_remote_code: bool = False
+    path: str | Path,
+    dtype: str = "float32",
+    device: str = "auto",
+    trust_remote_code: bool = False,
+    compile_decoding: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Model in eval mode plus its tokenizer (left padding, a pad token). Raises FileNotFoundError if missing."""
+    """Model in eval mode plus its tokenizer (left padding, a pad token). Raises FileNotFoundError if missing.
+    With `compile_decoding`, its one-token decode steps run compiled (`state.use_compiled_decoding`)."""
     path = Path(path)
     tokenizer = load_tokenizer(path, trust_remote_code)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     model.to(pick_device(device)).eval()
+    if compile_decoding:
+        use_compiled_decoding(model)
     return model, tokenizer
 
 

@@ -50,6 +50,12 @@ class ModelConfig:
     trust_remote_code: bool = field(default=False, metadata={"help": "Run model code shipped with the checkpoint."})
     dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata={"help": "Weights dtype."})
     device: str = field(default="auto", metadata={"help": "'auto' picks cuda:LOCAL_RANK when available, else cpu."})
+    compile_decoding: bool = field(
+        default=False,
+        metadata={"help": "Run each one-token decode step through torch.compile (harvest, eval, calibrate): "
+                  "about 2x faster a step for a small model on a CPU, after a one-off compile of 30-60 s a process "
+                  "(minutes for a 30-layer model, where a CPU gains little at batch 16)."},
+    )
 
 
 @dataclass

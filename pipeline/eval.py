@@ -201,7 +201,8 @@ def evaluate_checkpoint(
     config: Config, run: RunDir, task: Task, decoders: dict[str, DecoderFactory], checkpoint: str, path: Path
 ) -> dict[str, list[dict]]:
     """Every listed decoder on one checkpoint, in order; a decoder may be built from the records before it."""
-    model, tokenizer = load_model(path, config.model.dtype, config.model.device, config.model.trust_remote_code)
+    model, tokenizer = load_model(path, config.model.dtype, config.model.device, config.model.trust_remote_code,
+                                  config.model.compile_decoding)
     model_id = model_identity(path)
     examples = task.examples(config.eval.split, max(config.eval.n, config.eval.n_other))
     results: dict[str, list[dict]] = {}

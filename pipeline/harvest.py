@@ -122,7 +122,8 @@ def _drop_broken_shards(out: Path, n_shards: int, n_examples: int, rows_per_shar
 
 def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Example], shards: list[int]) -> None:
     path = model_path(config.model.path, run)
-    model, tokenizer = load_model(path, config.model.dtype, config.model.device, config.model.trust_remote_code)
+    model, tokenizer = load_model(path, config.model.dtype, config.model.device, config.model.trust_remote_code,
+                                  config.model.compile_decoding)
     stop_ids = stop_token_ids(model, tokenizer)
     size = config.harvest.shard_rows
     total = sum(len(examples[k * size : (k + 1) * size]) for k in shards)
@@ -216,7 +217,9 @@ def harvest_fingerprint(config: Config, task: Task) -> str:
     decisive = {
         "task_name": task.name,
         "seed": config.seed,
-        "model": asdict(config.model),
+        # compile_decoding changes speed and float rounding only, as the batch size does: a harvest may resume with
+        # it switched.
+        "model": {k: v for k, v in asdict(config.model).items() if k != "compile_decoding"},
         "base": asdict(config.base) if config.model.path == "base" else None,
         "task": asdict(config.task),
         "sampling": asdict(config.sampling),
