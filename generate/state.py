@@ -60,8 +60,6 @@ def forward(
     inputs_embeds: torch.Tensor | None = None,
 ) -> DecodeState:
     """Run new positions [B, T] through the model on top of `state` (None = empty contexts)."""
-    if state is not None and new_mask.shape[1] == 1 and hasattr(model, COMPILED_FORWARD):
-        return _compiled_step(model, state, new_mask, input_ids, inputs_embeds)
     batch = new_mask.shape[0]
     if state is None:
         past_mask = new_mask.new_zeros((batch, 0))
@@ -71,20 +69,24 @@ def forward(
         past_mask, lengths, cache = state.attention_mask, state.lengths, state.cache
     position_ids = (lengths[:, None] + new_mask.cumsum(dim=1) - 1).clamp(min=0)
     attention_mask = torch.cat([past_mask, new_mask], dim=1)
-    out = model(
-        input_ids=input_ids,
-        inputs_embeds=inputs_embeds,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    logits = out.logits[:, -1].float()
+    if state is not None and new_mask.shape[1] == 1 and hasattr(model, COMPILED_FORWARD):
+        logits = _compiled_step(model, cache, attention_mask, position_ids, input_ids, inputs_embeds)
+    else:
+        out = model(
+            input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = out.logits[:, -1]
+    logits = logits.float()
     if state is not None:
         # A row with an empty segment keeps the distribution it had.
         logits = torch.where(new_mask[:, -1:].bool(), logits, state.last_logits)
-    return DecodeState(out.past_key_values, attention_mask, lengths + new_mask.sum(dim=1), logits)
+    return DecodeState(cache, attention_mask, lengths + new_mask.sum(dim=1), logits)
 
 
 def prefill(model: PreTrainedModel, prompts: Sequence[Sequence[int]], pad_id: int) -> DecodeState:
@@ -160,7 +162,7 @@ def _is_prefix_of(filled: torch.Tensor, buffer: torch.Tensor | None, end: int) -
 def _regrow(filled: torch.Tensor, new: torch.Tensor, length: int, end: int) -> torch.Tensor:
     """A buffer of twice the needed length holding the first `length` positions of `filled`, zeros after them.
 
-    Zeros, not `new_empty`: the compiled step attends over the whole buffer with its unfilled tail masked, and
+    Zeros, not `new_empty`: the compiled step attends over a span of the buffer past the filled width, masked, and
     uninitialised memory can hold NaN, which a zero attention weight does not cancel (0 · NaN = NaN).
     """
     batch, heads, _, dim = new.shape
@@ -273,18 +275,20 @@ class _BufferSlot(StaticLayer):
 
 def _compiled_step(
     model: PreTrainedModel,
-    state: DecodeState,
-    new_mask: torch.Tensor,
+    cache: DynamicCache,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
     input_ids: torch.Tensor | None,
     inputs_embeds: torch.Tensor | None,
-) -> DecodeState:
-    """`forward` for one new position per row, through the compiled forward. The model sees the cache as static
-    layers over a window-rounded span of the growing buffers, with a mask as wide, so the shapes change only when
-    the batch does or the span grows; both are dynamic in the compiled graph."""
-    layers = state.cache.layers
+) -> torch.Tensor:
+    """The next-token logits [B, V] of one new position per row (the last column of `attention_mask`), through the
+    compiled forward; `cache` takes the new position as `forward`'s eager call would. The model sees the cache as
+    static layers over a window-rounded span of the growing buffers, with a mask as wide, so the shapes change only
+    when the batch does or the span grows; both are dynamic in the compiled graph."""
+    layers = cache.layers
     if not all(type(layer) is GrowingLayer for layer in layers):
         raise ValueError("the compiled decode step needs the growing cache that prefill builds")
-    width = state.attention_mask.shape[1]
+    width = attention_mask.shape[1] - 1  # the new position's column
     # Attend over the filled width rounded up to a whole window, not the whole buffer (up to twice the width): the
     # shapes then change once every SPAN_WINDOW steps, which a dynamic graph takes without recompiling.
     span = -(-(width + 1) // SPAN_WINDOW) * SPAN_WINDOW
@@ -292,18 +296,16 @@ def _compiled_step(
         # Room past the span as well, so the model always gets a strided view and one graph serves every step (a
         # view that happened to be the whole buffer would be contiguous and compile a second graph).
         layer.reserve(span + 1, layer.keys, layer.values)
-    batch = new_mask.shape[0]
-    attention_mask = torch.cat([state.attention_mask, new_mask, new_mask.new_zeros(batch, span - width - 1)], 1)
+    unfilled = attention_mask.new_zeros(attention_mask.shape[0], span - width - 1)
     out = getattr(model, COMPILED_FORWARD)(
         input_ids=input_ids,
         inputs_embeds=inputs_embeds,
-        attention_mask=attention_mask,
-        position_ids=(state.lengths[:, None] + new_mask - 1).clamp(min=0),
+        attention_mask=torch.cat([attention_mask, unfilled], dim=1),
+        position_ids=position_ids,
         past_key_values=Cache(layers=[_BufferSlot(layer, width, span) for layer in layers]),
         use_cache=True,
         logits_to_keep=1,
     )
     for layer in layers:
         layer.fill_to(width + 1)
-    logits = torch.where(new_mask.bool(), out.logits[:, -1].float(), state.last_logits)
-    return DecodeState(state.cache, attention_mask[:, : width + 1], state.lengths + new_mask[:, 0], logits)
+    return out.logits[:, -1]
