@@ -38,7 +38,7 @@ def template_pieces(tokenizer: PreTrainedTokenizerBase, messages: list[Message])
             f"the chat template of {name} does not render assistant turns verbatim, so generated tokens cannot be "
             "reused as a cache prefix; use a model whose template keeps assistant content as given"
         )
-    return [tokenizer(part, add_special_tokens=False)["input_ids"] for part in parts]
+    return tokenizer(parts, add_special_tokens=False)["input_ids"]
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> str:

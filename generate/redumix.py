@@ -145,7 +145,7 @@ def redumix_generate(
             stop_ids,
             policy,
             seeds["critique"],
-            [critique_messages(p, t) for p, t in zip(prompts, y1_text, strict=True)],
+            [template_pieces(tokenizer, critique_messages(p, t))[-1] for p, t in zip(prompts, y1_text, strict=True)],
             config.critique_max_tokens,
             usage,
             keep_state=False,
@@ -156,7 +156,10 @@ def redumix_generate(
 
     # --- stage 3: c = generate([x ‖ y1 ‖ r ‖ REFLECT]), compressing y1 where x2 would overflow the window ---
     reflect_convs = [reflect_messages(p, t, r) for p, t, r in zip(prompts, y1_text, r_text, strict=True)]
-    state, cut = _fit_window(model, tokenizer, state, attempts, y1, x_ids, reflect_convs, config, policy, usage)
+    reflect_pieces = [template_pieces(tokenizer, conv)[-1] for conv in reflect_convs]  # from y1's close to c's open
+    state, cut = _fit_window(
+        model, tokenizer, state, attempts, y1, x_ids, reflect_convs, reflect_pieces, config, policy, usage
+    )
     y1_in_context = [ids[n:] for ids, n in zip(y1, cut, strict=True)]
     reflections, state = _continue(
         model,
@@ -167,7 +170,7 @@ def redumix_generate(
         stop_ids,
         policy,
         seeds["reflect"],
-        reflect_convs,
+        reflect_pieces,
         config.reflection_max_tokens,
         usage,
         keep_state=True,
@@ -178,10 +181,8 @@ def redumix_generate(
 
     # --- stage 4: x2 = [x ‖ y1 ‖ r ‖ c ‖ REDO]; decode y under the mixture of x and x2 ---
     redo_convs = [redo_messages(p, t, r, ct) for p, t, r, ct in zip(prompts, y1_text, r_text, c_text, strict=True)]
-    segments = [
-        ids[g.cached :] + template_pieces(tokenizer, conv)[2]
-        for ids, g, conv in zip(c, reflections, redo_convs, strict=True)
-    ]
+    redo_pieces = [template_pieces(tokenizer, conv)[2] for conv in redo_convs]  # from c's close to the redo's open
+    segments = [ids[g.cached :] + piece for ids, g, piece in zip(c, reflections, redo_pieces, strict=True)]
     state = extend(model, state, segments, pad_id)
     for u, seg in zip(usage, segments, strict=True):
         u.prefill_tokens += len(seg)
@@ -190,8 +191,7 @@ def redumix_generate(
     x2_ids = [
         _x2_prefix(x, ids, n, tokenizer) + tpl_reflect + ct + tpl_redo
         for x, ids, n, tpl_reflect, ct, tpl_redo in zip(
-            x_ids, y1_in_context, cut, [template_pieces(tokenizer, conv)[-1] for conv in reflect_convs], c,
-            [template_pieces(tokenizer, conv)[2] for conv in redo_convs], strict=True,
+            x_ids, y1_in_context, cut, reflect_pieces, c, redo_pieces, strict=True
         )
     ]
     redo = mixture_loop(model, x_context, state, lam, config.topk, policy, seeds["redo"], stop_ids)
@@ -259,7 +259,7 @@ def _continue(
     stop_ids: Sequence[int],
     policy: SamplingPolicy,
     seeds: torch.Tensor,
-    conversations: list[list[dict]],
+    pieces: list[list[int]],
     max_new_tokens: int,
     usage: list[Usage],
     keep_state: bool,
@@ -268,12 +268,12 @@ def _continue(
     """Close the previous assistant turn, add the next user turn, and generate the next assistant turn.
 
     The segment fed is what of the previous turn is not yet cached, then the template's text up to the new
-    assistant turn (the second-to-last template piece of `conversations`).
+    assistant turn: `pieces`, per row, the last template piece of the conversation that turn answers.
     """
     segments = []
-    for i, (gen, ids, conv) in enumerate(zip(previous, previous_ids, conversations, strict=True)):
+    for i, (gen, ids, piece) in enumerate(zip(previous, previous_ids, pieces, strict=True)):
         already = len(ids) if cut is not None and cut[i] else gen.cached  # a cut row's y1 was re-encoded whole
-        segments.append(ids[already:] + template_pieces(tokenizer, conv)[-1])
+        segments.append(ids[already:] + piece)
     state = extend(model, state, segments, tokenizer.pad_token_id)
     result = sample_loop(model, state, policy, seeds, stop_ids, max_new_tokens, keep_state=keep_state)
     gens, state = result.generations, result.state
@@ -291,6 +291,7 @@ def _fit_window(
     y1: list[list[int]],
     x_ids: list[list[int]],
     reflect_convs: list[list[dict]],
+    reflect_pieces: list[list[int]],
     config: RedumixConfig,
     policy: SamplingPolicy,
     usage: list[Usage],
@@ -304,14 +305,13 @@ def _fit_window(
     if not window:
         return state, [0] * len(y1)
     # Worst case of x2 plus the redo: x ‖ y1 ‖ r + REFLECT ‖ c (at its cap) ‖ REDO ‖ y (at its cap).
-    reflect_piece = [template_pieces(tokenizer, conv)[1] for conv in reflect_convs]
     redo_piece = [
         template_pieces(tokenizer, [*conv, {"role": "assistant", "content": ""}, {"role": "user", "content": REDO}])[2]
         for conv in reflect_convs
     ]
     note_len = len(tokenizer(COMPRESSION_NOTE, add_special_tokens=False)["input_ids"])
     cut = []
-    for x, ids, piece1, piece2 in zip(x_ids, y1, reflect_piece, redo_piece, strict=True):
+    for x, ids, piece1, piece2 in zip(x_ids, y1, reflect_pieces, redo_piece, strict=True):
         worst = len(x) + len(ids) + len(piece1) + config.reflection_max_tokens + len(piece2) + policy.max_new_tokens
         overflow = worst - window
         # An attempt no longer than the note cannot be shortened by replacing its start with the note.
