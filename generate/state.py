@@ -166,9 +166,10 @@ def _regrow(filled: torch.Tensor, new: torch.Tensor, length: int, end: int) -> t
     uninitialised memory can hold NaN, which a zero attention weight does not cancel (0 · NaN = NaN).
     """
     batch, heads, _, dim = new.shape
-    buffer = new.new_zeros((batch, heads, 2 * end, dim))
+    buffer = new.new_empty((batch, heads, 2 * end, dim))
     if length:
         buffer[:, :, :length] = filled
+    buffer[:, :, length:].zero_()  # only past the copy: zeroing all of it first would write the prefix twice
     return buffer
 
 
@@ -221,16 +222,32 @@ def merge(states: Sequence[DecodeState]) -> DecodeState:
         return torch.cat([t.new_zeros(shape), t], dim=dim)
 
     per_state = [_layers(s.cache) for s in states]
-    layers = [
-        (torch.cat([pad(ls[i][0], 2) for ls in per_state]), torch.cat([pad(ls[i][1], 2) for ls in per_state]))
-        for i in range(len(per_state[0]))
-    ]
+    cache = growing_cache()
+    cache.layers = [_stacked_layer([ls[i] for ls in per_state], width) for i in range(len(per_state[0]))]
     return DecodeState(
-        growing_cache(layers),
+        cache,
         torch.cat([pad(s.attention_mask, 1) for s in states]),
         torch.cat([s.lengths for s in states]),
         torch.cat([s.last_logits for s in states]),
     )
+
+
+def _stacked_layer(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], width: int) -> GrowingLayer:
+    """A growing layer holding `parts` ((keys, values) each) stacked along the batch, each right-aligned to `width`:
+    written straight into the new buffers, instead of padded and concatenated first and then copied in."""
+    keys, values = parts[0]
+    layer = GrowingLayer()
+    layer.lazy_initialization(keys, values)
+    rows = sum(k.shape[0] for k, _ in parts)
+    layer.key_buffer = keys.new_zeros((rows, keys.shape[1], 2 * width, keys.shape[3]))
+    layer.value_buffer = values.new_zeros((rows, values.shape[1], 2 * width, values.shape[3]))
+    first = 0
+    for k, v in parts:
+        layer.key_buffer[first : first + k.shape[0], :, width - k.shape[2] : width] = k
+        layer.value_buffer[first : first + v.shape[0], :, width - v.shape[2] : width] = v
+        first += k.shape[0]
+    layer.fill_to(width)
+    return layer
 
 
 @torch.inference_mode()  # like `forward`: all cache tensors are inference tensors, one kind for the compiled step
