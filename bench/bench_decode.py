@@ -230,7 +230,7 @@ def shard_bytes_per_token(model, tokenizer, n: int = 64) -> tuple[float, float]:
 
 def _kl_with_tail(exact: list[float], exact_tail: float, approx: list[float], approx_tail: float) -> float:
     """KL(exact ‖ stored) over the top-k entries plus the tail bucket, the stored side renormalised as the loss
-    renormalises it. `exact` is p_mix in float32 with its float64-summed tail; `approx` is what the shard holds."""
+    renormalises it. `exact` is p_mix in float32 with its logsumexp tail; `approx` is what the shard holds."""
     p = [math.exp(v) for v in exact] + [math.exp(exact_tail)]
     q = [math.exp(v) for v in approx] + [math.exp(approx_tail)]
     q_total = math.fsum(q)

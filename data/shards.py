@@ -2,8 +2,8 @@
 
 `datasets.load_dataset("arrow", data_files=...)` reads them as they are. Top-k log-probs are stored as float16:
 at k=32 that halves the dominant column, and their rounding (relative 2**-11 per probability) costs a KL far below
-1e-4. The mass outside the top-k is stored apart, as a float32 log per token (`mix_tail_logprob`) computed in
-float64 at harvest time: recovering it as 1 − Σ exp(float16) loses it when it is small (bench/ measures both).
+1e-4. The mass outside the top-k is stored apart, as a float32 log per token (`mix_tail_logprob`) computed from
+the full p_mix at harvest time: recovering it as 1 − Σ exp(float16) loses it when it is small (bench/ measures both).
 Shards written before that column existed still load; the loss then falls back to 1 − Σp. The harvest writes each
 shard under a temporary name and renames it, so a shard file that exists is complete.
 """

@@ -109,7 +109,8 @@ def _reverse_kl_float64(student_logits: torch.Tensor, teacher_probs: torch.Tenso
 
 @pytest.mark.parametrize("tail", [1e-4, 1e-6, 1.5e-7, 1e-8])
 def test_reverse_kl_with_the_stored_tail_matches_float64(tail: float) -> None:
-    """Stored as the harvest stores it (float16 top-k, float32 log tail summed in float64), β=1 is exact to 1e-4."""
+    """Stored as the harvest stores it (float16 top-k; the tail a float32 logsumexp over float32 log p_mix, as
+    `mixture_topk` takes it), β=1 matches the float64 loss to 1e-4."""
     gen = torch.Generator().manual_seed(0)
     vocab, k, rows = 64, 8, 16
     top = torch.rand(rows, k, generator=gen, dtype=torch.float64) + 0.1
@@ -121,7 +122,7 @@ def test_reverse_kl_with_the_stored_tail_matches_float64(tail: float) -> None:
     values, order = teacher.gather(-1, ids).log().sort(-1, descending=True)
     ids = ids.gather(-1, order)
     stored_topk = values.half().float()
-    stored_tail = torch.logsumexp(teacher.log().scatter(-1, ids, float("-inf")), -1).float()
+    stored_tail = torch.logsumexp(teacher.log().float().scatter(-1, ids, float("-inf")), -1)
     student = torch.randn(rows, vocab, generator=gen)
 
     exact = _reverse_kl_float64(student, teacher, ids)
