@@ -83,7 +83,7 @@ def forward(
         )
         logits = out.logits[:, -1]
     logits = logits.float()
-    if state is not None:
+    if state is not None and not bool(new_mask[:, -1].all()):
         # A row with an empty segment keeps the distribution it had.
         logits = torch.where(new_mask[:, -1:].bool(), logits, state.last_logits)
     return DecodeState(cache, attention_mask, lengths + new_mask.sum(dim=1), logits)

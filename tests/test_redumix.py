@@ -13,7 +13,7 @@ from redumix.generate.accounting import ForwardCounter
 from redumix.generate.model_io import stop_token_ids
 from redumix.generate.plain import generate_batch
 from redumix.generate.policy import SamplingPolicy, example_seed
-from redumix.generate.redumix import RedumixConfig, redumix_generate
+from redumix.generate.redumix import RedumixConfig, mixture_topk, redumix_generate
 from tests.conftest import build_tiny_model
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
@@ -72,6 +72,22 @@ def test_mixture_topk_is_descending_and_a_subdistribution(tiny_chat_model):
             assert len(ids) == len(lps) == 8
             assert all(a >= b for a, b in zip(lps, lps[1:], strict=False))
             assert math.fsum(math.exp(v) for v in lps) <= 1 + 1e-5
+
+
+@pytest.mark.parametrize("masked", [0.0, -1.0e4, float("-inf")])
+def test_tail_is_exact_with_masked_or_extreme_logits(masked):
+    """The tail equals a float64 logsumexp outside the top-k, also where most logits sit far below the rest (a
+    masked vocabulary, whose float32 exp the code keeps off its subnormal slow path), and is −inf when the top-k
+    holds the whole vocabulary."""
+    gen = torch.Generator().manual_seed(0)
+    logits_x, logits_x2 = torch.randn(4, 600, generator=gen) * 30, torch.randn(4, 600, generator=gen) * 30
+    logits_x[:, 100:] += masked
+    logits_x2[:, 100:] += masked
+    mix, top, tail = mixture_topk(logits_x, logits_x2, 0.3, 8)
+    expected = torch.logsumexp(mix.double().scatter(-1, top.indices, float("-inf")), dim=-1)
+    torch.testing.assert_close(tail.double(), expected, atol=1e-5, rtol=0)
+    *_, whole = mixture_topk(logits_x[:, :8], logits_x2[:, :8], 0.3, 8)
+    assert torch.all(whole == float("-inf"))
 
 
 def test_mixture_is_the_normalised_geometric_mean(tiny_chat_model):

@@ -3,9 +3,9 @@
 TRL's `generalized_jsd_loss` needs the teacher's full logits. The harvest stores only the top-k of p_mix, so the
 divergence here is taken over k+1 buckets: the k stored ids, and a tail that holds the teacher's leftover mass
 against the student's mass outside those ids. The harvest stores that leftover exactly (`mix_tail_logprob`, the
-log of the mass outside the top-k, a logsumexp over the other ids); shards from before it fall back to 1 − Σ exp(top-k), which
-float16 log-probs make imprecise when the tail is small. Nothing of the stored distribution is
-lost, and with k equal to the vocabulary the tail is empty and the loss equals TRL's (tests/test_train_loss.py).
+log of the mass outside the top-k, a logsumexp over the other ids); shards from before it fall back to
+1 − Σ exp(top-k), which float16 log-probs make imprecise when the tail is small. Nothing of the stored distribution
+is lost, and with k equal to the vocabulary the tail is empty and the loss equals TRL's (tests/test_train_loss.py).
 
 Conventions follow TRL: β=0 is KL(teacher‖student) (forward KL, the seed's cross-entropy under the mixture up to a
 constant), β=1 is KL(student‖teacher), and in between m = β·p + (1−β)·q with loss β·KL(p‖m) + (1−β)·KL(q‖m).
