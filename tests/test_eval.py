@@ -130,4 +130,25 @@ def test_two_processes_give_the_report_rows_of_one(tmp_path, model_dir):
         return [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in lines]
 
     for path in records:
-        assert untimed(path) == untimed(tmp_path / "one" / "eval" / "generations" / path.name)
+        two_records, one_records = untimed(path), untimed(tmp_path / "one" / "eval" / "generations" / path.name)
+        assert [without_extra(r) for r in two_records] == [without_extra(r) for r in one_records]
+        # `extra` holds float diagnostics (reflective decoding's entropy deltas, a difference of two near-equal
+        # entropies) that a rank's smaller batch moves by float32 rounding on some CPUs: 1.88e-4 against 1.88e-4
+        # ± 6e-8 on an AMD EPYC host. Every token, answer and count above is equal.
+        for two_record, one_record in zip(two_records, one_records, strict=True):
+            assert close(two_record.get("extra", {}), one_record.get("extra", {})), two_record["id"]
+
+
+def without_extra(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k != "extra"}
+
+
+def close(a: object, b: object, tolerance: float = 1e-5) -> bool:
+    """Equal, but floats anywhere inside (dicts, lists) to within `tolerance`."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= tolerance
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k], tolerance) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(close(x, y, tolerance) for x, y in zip(a, b, strict=True))
+    return a == b
