@@ -10,13 +10,13 @@ from pathlib import Path
 
 import datasets
 import pytest
-import torch
 
 from redumix.data.shards import iter_rows, shard_paths
 from redumix.pipeline.cli import main
 from redumix.pipeline.config import load_config
 from redumix.pipeline.harvest import run_harvest
 from redumix.pipeline.run import RunDir
+from tests.conftest import one_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -142,12 +142,8 @@ def test_cli_reports_unknown_keys_and_missing_model(tmp_path, capsys):
 def test_two_processes_harvest_the_same_rows_as_one(tmp_path, model_dir):
     # The ranks run on one thread each; so does the one-process reference, because on some CPUs (an AMD EPYC host
     # here) MKL's float32 results depend on the thread count, enough to flip a sampled token.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         expected = comparable(harvest(tmp_path / "one", model_dir))
-    finally:
-        torch.set_num_threads(threads)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "redumix.pipeline.cli", "harvest", "--recipe", str(ROOT / "recipes" / "tiny.yaml"),
                "--run-dir", str(tmp_path / "two"), f"model.path={model_dir}", *SMALL]

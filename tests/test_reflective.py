@@ -36,7 +36,7 @@ from redumix.generate.state import clone, prefill
 from redumix.pipeline import calibrate
 from redumix.pipeline.config import load_config
 from redumix.pipeline.run import RunDir
-from tests.conftest import build_tiny_model, build_tiny_tokenizer
+from tests.conftest import build_tiny_model, build_tiny_tokenizer, one_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,10 +55,8 @@ OFTEN = ReflectiveConfig(
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Tiny models run on one thread: a second only adds sync cost (on 2 busy shared cores, ~60 ms a forward vs 4)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_thread():
+        yield
 
 
 def _prompts(tokenizer, questions=QUESTIONS) -> list[list[int]]:
