@@ -1,5 +1,6 @@
 """Our pipeline against what a user would write with the libraries it builds on (`make bench`). Every number is a
-ratio of two timings taken side by side in one run, interleaved and repeated, with the median kept.
+ratio of two timings taken side by side in one run, interleaved and repeated, with the median kept. The harvest keys'
+pairs are dealt out over rounds through all of them (`round_robin`), the compiled keys' among themselves.
 
   harvest_vs_hf_pipeline_{shape}_b{B}   harvest examples/s, `redumix_generate` over the same four stages written
                                         with transformers' `model.generate` and its CFG redo, 32 tokens a stage.
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from bench.bench_decode import FEEDBACK, TASK, median_ratio, timed
+from bench.bench_decode import FEEDBACK, ROUNDS, TASK, Pairs, median_ratio, round_robin, timed
 from bench.models import embedded_model, embedded_tokenizer, smollm2_shape_model
 from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages, redo_messages, reflect_messages
@@ -226,6 +227,14 @@ def harvest_vs_hf_pipeline(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch: int, n: int, tokens: Stages = Stages(32, 32),
     repeats: int = 3,
 ) -> HarvestComparison:
+    """`harvest_pairs`'s comparison, its pairs taken now."""
+    pairs, compare = harvest_pairs(model, tokenizer, batch, n, tokens, repeats)
+    return compare(median_ratio(pairs.numerator, pairs.denominator, pairs.pairs, warmup=False))
+
+
+def harvest_pairs(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch: int, n: int, tokens: Stages, repeats: int
+) -> tuple[Pairs, Callable[[float], HarvestComparison]]:
     """Goal ≥ 2. Examples/s of our harvest path (`redumix_generate`: attempt, fixed verifier-style feedback,
     reflection, mixture redo with the top-k and tail of p_mix) over the loop a user writes with transformers
     (`hf_harvest`), `n` examples in batches of `batch`, greedy, the same `tokens` caps per stage on both sides.
@@ -255,32 +264,36 @@ def harvest_vs_hf_pipeline(
     prompts = [e.prompt for e in TASK.examples("test", n)]
     parts = [prompts[start : start + batch] for start in range(0, n, batch)]
     outputs: dict[str, list[Redo]] = {}
-
     forwards: dict[str, Forwards] = {}
 
     def side(name: str, harvest: Callable[..., list[Redo]]) -> Callable[[], float]:
         def go() -> None:
             forwards[name] = Forwards()  # the last repeat's counts: every repeat makes the same calls
-            with counting(model, forwards[name]):
+            with decodable_only(model, len(tokenizer)), torch.no_grad(), counting(model, forwards[name]):
                 outputs[name] = [redo for part in parts for redo in harvest(model, tokenizer, part, tokens)]
         return lambda: timed(go)
 
     with decodable_only(model, len(tokenizer)), torch.no_grad():
         for harvest in (hf_harvest, ours_harvest):  # warm-up at 2 tokens a stage: a full one costs a repeat
             harvest(model, tokenizer, parts[0], Stages(2, 2))
-        ratio = median_ratio(side("hf", hf_harvest), side("ours", ours_harvest), repeats=repeats, warmup=False)
+
+    def compare(ratio: float) -> HarvestComparison:
+        """The comparison, from the timed ratio and what the last timed pair made."""
         ours = outputs["ours"]
-        same_x2 = [redo for start, part in zip(range(0, n, batch), parts, strict=True)
-                   for redo in hf_redo(model, tokenizer, part, [r.x2 for r in ours[start : start + batch]],
-                                       tokens.answer)]
-    return HarvestComparison(
-        ratio,  # time ratio hf/ours == examples/s ratio ours/hf
-        forwards["hf"].calls / forwards["ours"].calls,
-        forwards["hf"].positions / forwards["ours"].positions,
-        sum(a.token_ids != b.token_ids for a, b in zip(ours, outputs["hf"], strict=True)),
-        sum(a.x2 != b.x2 for a, b in zip(ours, outputs["hf"], strict=True)),
-        sum(a.token_ids != b.token_ids for a, b in zip(ours, same_x2, strict=True)),
-    )
+        with decodable_only(model, len(tokenizer)), torch.no_grad():
+            same_x2 = [redo for start, part in zip(range(0, n, batch), parts, strict=True)
+                       for redo in hf_redo(model, tokenizer, part, [r.x2 for r in ours[start : start + batch]],
+                                           tokens.answer)]
+        return HarvestComparison(
+            ratio,  # time ratio hf/ours == examples/s ratio ours/hf
+            forwards["hf"].calls / forwards["ours"].calls,
+            forwards["hf"].positions / forwards["ours"].positions,
+            sum(a.token_ids != b.token_ids for a, b in zip(ours, outputs["hf"], strict=True)),
+            sum(a.x2 != b.x2 for a, b in zip(ours, outputs["hf"], strict=True)),
+            sum(a.token_ids != b.token_ids for a, b in zip(ours, same_x2, strict=True)),
+        )
+
+    return Pairs(side("hf", hf_harvest), side("ours", ours_harvest), repeats, warmed=True), compare
 
 
 # --- training: TRL's GKDTrainer with a live two-context teacher against our offline sparse trainer ----------------
@@ -428,30 +441,45 @@ def run(quick: bool = False) -> dict[str, float | int]:
     tokenizer = embedded_tokenizer()
     results: dict[str, float | int] = {}
     fixed = Stages(size["tokens"], size["tokens"])
-    real_embedded = fixed if quick else REAL_STAGES["embedded"]
-    for shape, build in (("embedded", lambda: embedded_model(tokenizer)), ("smollm2", smollm2_shape_model)):
-        model = build()
+    rounds = 1 if quick else ROUNDS
+    models = {"embedded": embedded_model(tokenizer), "smollm2": smollm2_shape_model()}
+    harvests = {}
+    for shape, model in models.items():
         real = fixed if quick else REAL_STAGES[shape]
         for batch, n, repeats in HARVEST_RUNS[shape]:
             for name, stages in ((shape, fixed), (f"{shape}_real", real)):
-                record_harvest(results, f"harvest_vs_hf_pipeline_{name}_b{batch}",
-                               harvest_vs_hf_pipeline(model, tokenizer, batch, n, stages, repeats))
+                harvests[f"harvest_vs_hf_pipeline_{name}_b{batch}"] = harvest_pairs(model, tokenizer, batch, n, stages,
+                                                                                    repeats)
+    time_harvests(results, harvests, rounds)
+    for shape, model in models.items():
         rows, repeats = TRAIN_RUNS[shape]
         key = f"gkd_offline_vs_trl_live_teacher_{shape}_b{rows}"
-        # Last: it trains `model`.
+        # After the harvests: it trains `model`.
         results[key] = round(gkd_offline_vs_trl_live_teacher(model, tokenizer, rows, size["x"], size["x2"], size["y"],
                                                              1 if quick else repeats), 3)
         print(f"bench_peers: {key} {results[key]}", flush=True)
+    del models, harvests
     # The compiled harvest last, on a fresh model, so no other key is timed in a process that has run compiled
     # kernels. Embedded shape only: at SmolLM2's a compile takes minutes and a CPU step gains little at batch 16.
     model = embedded_model(tokenizer)
+    real_embedded = fixed if quick else REAL_STAGES["embedded"]
     results["compile_decoding_seconds_embedded"] = round(compile_decoding(model, tokenizer), 1)
-    for batch, n, repeats in HARVEST_RUNS["embedded"]:
-        for name, stages in (("embedded", fixed), ("embedded_real", real_embedded)):
-            record_harvest(results, f"harvest_vs_hf_pipeline_{name}_compiled_b{batch}",
-                           harvest_vs_hf_pipeline(model, tokenizer, batch, n, stages, repeats))
+    harvests = {f"harvest_vs_hf_pipeline_{name}_compiled_b{batch}": harvest_pairs(model, tokenizer, batch, n, stages,
+                                                                                  repeats)
+                for batch, n, repeats in HARVEST_RUNS["embedded"]
+                for name, stages in (("embedded", fixed), ("embedded_real", real_embedded))}
+    time_harvests(results, harvests, rounds)
     results["compile_decoding_graphs_embedded"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     return results
+
+
+def time_harvests(
+    results: dict[str, float | int], harvests: dict[str, tuple[Pairs, Callable[[float], HarvestComparison]]],
+    rounds: int,
+) -> None:
+    ratios = round_robin({key: pairs for key, (pairs, _) in harvests.items()}, rounds, label="bench_peers")
+    for key, (_, compare) in harvests.items():
+        record_harvest(results, key, compare(ratios[key]))
 
 
 if __name__ == "__main__":
