@@ -403,8 +403,9 @@ def gkd_offline_vs_trl_live_teacher(
 
 # (batch, examples, repeats) per shape: a smollm2 example costs ~30x an embedded one, so it gets fewer of both.
 # At batch 1, 8 examples take 1-4 s a side, yet one process's pairs ranged from 2.0 to 4.2 (compiled) on a shared
-# 2-core host, and medians of 5 from 2.2 to 2.7 between processes: so 9 pairs there.
-HARVEST_RUNS = {"embedded": ((1, 8, 9), (16, 16, 5)), "smollm2": ((1, 1, 1), (16, 16, 1))}
+# 2-core host, and medians of 5 from 2.2 to 2.7 between processes: so 9 pairs there. SmolLM2's batch-16 keys take
+# 1-3 minutes a pair; one pair each gave 2.23 and 1.72 in two runs, so 2, in two rounds.
+HARVEST_RUNS = {"embedded": ((1, 8, 9), (16, 16, 5)), "smollm2": ((1, 1, 1), (16, 16, 2))}
 # The `_real` keys' stage lengths: the median stages of real harvests, whose caps they become. The embedded default's
 # (runs/evidence, 2,048 rows: attempt 24, reflection 79, redo 24 tokens) and SmolLM2-135M-Instruct's on its recipe
 # (96 rows: attempt 92, reflection 96, redo 96; caps 96). Its x stays the bench prompt's (≈20 tokens, against 85

@@ -4,21 +4,22 @@ One reflection of REFLECT_LENGTH hidden tokens, with a peek after every one of t
 stops it early), on a seed-built random Llama of the embedded default's shape (bench/models.py: hidden 96,
 4 layers, vocabulary 768) with its `<|reflect|>` markers. Sequential: the hidden
 token and its R_END peek are two forward passes. Dual-path: one pass with both. Same tokens, same FPE; the runs
-alternate and the medians are compared. Prefill is outside the timed region's difference (both runs pay it).
+alternate in pairs, dealt out over rounds through both keys (`round_robin`), and the median pair ratio is kept.
+Prefill is outside the timed region's difference (both runs pay it).
 Ceiling ≈2 where a forward costs its call (this small model, a GPU's decode), ≈1 where it costs its rows.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 
+from bench.bench_decode import Pairs, round_robin, timed
 from bench.models import embedded_model, embedded_tokenizer
 from redumix.generate.policy import SamplingPolicy
 from redumix.generate.reflective import ReflectiveConfig, reflective_generate
 
 REFLECT_LENGTH = 48
-REPEATS = 9  # the ratio's two sides each take well under a second, so its noise is the machine's
+REPEATS = 9  # pairs; a side takes well under a second, so `timed` repeats it to fill one
 
 
 def _time_reflection(model, tokenizer, prompts, dual_path: bool) -> float:
@@ -34,23 +35,20 @@ def _time_reflection(model, tokenizer, prompts, dual_path: bool) -> float:
     return elapsed
 
 
-def _speedup(model, tokenizer, prompts) -> float:
-    _time_reflection(model, tokenizer, prompts, True)  # warm-up
-    sequential, dual = [], []
-    for _ in range(REPEATS):
-        sequential.append(_time_reflection(model, tokenizer, prompts, False))
-        dual.append(_time_reflection(model, tokenizer, prompts, True))
-    return statistics.median(sequential) / statistics.median(dual)
+def _pairs(model, tokenizer, prompts) -> Pairs:
+    """Sequential time over dual-path time: the speedup."""
+    return Pairs(lambda: timed(lambda: _time_reflection(model, tokenizer, prompts, False)),
+                 lambda: timed(lambda: _time_reflection(model, tokenizer, prompts, True)), REPEATS)
 
 
 def run() -> dict[str, float]:
     tokenizer = embedded_tokenizer()
     model = embedded_model(tokenizer)
     prompt = tokenizer("Ann has 47 apples. She buys 38 more and gives 12 away. How many now? ")["input_ids"]
-    return {
-        "peek_batching_speedup": _speedup(model, tokenizer, [prompt]),
-        "peek_batching_speedup_batch8": _speedup(model, tokenizer, [prompt] * 8),
-    }
+    return round_robin({
+        "peek_batching_speedup": _pairs(model, tokenizer, [prompt]),
+        "peek_batching_speedup_batch8": _pairs(model, tokenizer, [prompt] * 8),
+    }, label="bench_reflective")
 
 
 if __name__ == "__main__":
