@@ -11,8 +11,6 @@ Ceiling ≈2 where a forward costs its call (this small model, a GPU's decode), 
 
 from __future__ import annotations
 
-import time
-
 from bench.bench_decode import Pairs, round_robin, timed
 from bench.models import embedded_model, embedded_tokenizer
 from redumix.generate.policy import SamplingPolicy
@@ -22,23 +20,24 @@ REFLECT_LENGTH = 48
 REPEATS = 9  # pairs; a side takes well under a second, so `timed` repeats it to fill one
 
 
-def _time_reflection(model, tokenizer, prompts, dual_path: bool) -> float:
+def _config(dual_path: bool) -> ReflectiveConfig:
     # τ_high = τ_low = 0 with budget = L: exactly one reflection, at the first step, of exactly L hidden tokens.
-    config = ReflectiveConfig(tau_high=0.0, tau_low=0.0, tau_stop=-1.0, reflect_length=REFLECT_LENGTH,
-                              budget_total=REFLECT_LENGTH, model_may_end=False, stop="peek", dual_path=dual_path)
+    return ReflectiveConfig(tau_high=0.0, tau_low=0.0, tau_stop=-1.0, reflect_length=REFLECT_LENGTH,
+                            budget_total=REFLECT_LENGTH, model_may_end=False, stop="peek", dual_path=dual_path)
+
+
+def _reflect(model, tokenizer, prompts, config: ReflectiveConfig) -> None:
     policy = SamplingPolicy(temperature=1.0, top_p=0.95, max_new_tokens=1)
-    start = time.perf_counter()
     results = reflective_generate(model, tokenizer, prompts, policy, range(len(prompts)), [-1],
                                   tokenizer.pad_token_id, config)
-    elapsed = time.perf_counter() - start
     assert all(r.hidden_tokens == REFLECT_LENGTH for r in results)
-    return elapsed
 
 
 def _pairs(model, tokenizer, prompts) -> Pairs:
     """Sequential time over dual-path time: the speedup."""
-    return Pairs(lambda: timed(lambda: _time_reflection(model, tokenizer, prompts, False)),
-                 lambda: timed(lambda: _time_reflection(model, tokenizer, prompts, True)), REPEATS)
+    sequential, dual = _config(dual_path=False), _config(dual_path=True)
+    return Pairs(lambda: timed(lambda: _reflect(model, tokenizer, prompts, sequential)),
+                 lambda: timed(lambda: _reflect(model, tokenizer, prompts, dual)), REPEATS)
 
 
 def run() -> dict[str, float]:

@@ -10,20 +10,20 @@ def test_round_robin_deals_each_key_its_pairs_over_the_rounds():
     calls: list[tuple[str, str]] = []
 
     def side(key: str, which: str, seconds: float):
-        def timed() -> float:
+        def call() -> float:
             calls.append((key, which))
             return seconds
-        return timed
+        return call
 
     keys = {name: Pairs(side(name, "num", 2.0), side(name, "den", 1.0), pairs, warmed=name == "warm")
             for name, pairs in (("one", 1), ("three", 3), ("five", 5), ("warm", 2))}
     ratios = round_robin(keys, rounds=3, label="test")
     assert ratios == {"one": 2.0, "three": 2.0, "five": 2.0, "warm": 2.0}
-    timed = calls[6:]  # after one warm-up pair of each key that is not warmed
+    paired = calls[6:]  # after one warm-up pair of each key that is not warmed
     assert calls[:6] == [(k, w) for k in ("one", "three", "five") for w in ("num", "den")]
-    numerators = [key for key, which in timed if which == "num"]
+    numerators = [key for key, which in paired if which == "num"]
     assert [numerators.count(k) for k in ("one", "three", "five", "warm")] == [1, 3, 5, 2]
-    assert all(which == "den" and key == timed[2 * i][0] for i, (key, which) in enumerate(timed[1::2]))
+    assert all(which == "den" and key == paired[2 * i][0] for i, (key, which) in enumerate(paired[1::2]))
     # Round 1: one, three, five ×2, warm; round 2: three, five ×2, warm; round 3: three, five.
     assert numerators == ["one", "three", "five", "five", "warm", "three", "five", "five", "warm", "three", "five"]
 
