@@ -29,6 +29,7 @@ def test_round_robin_deals_each_key_its_pairs_over_the_rounds():
 
 
 def test_the_median_is_of_pair_ratios():
-    numerator = iter([3.0, 1.0, 9.0]).__next__
-    denominator = iter([1.0, 1.0, 3.0]).__next__
-    assert round_robin({"k": Pairs(numerator, denominator, 3, warmed=True)}, rounds=1) == {"k": 3.0}
+    # Pair ratios 4, 1, 2: median 2, where the ratio of medians is 4, of minimums 1, and the mean 7/3.
+    numerator = iter([4.0, 1.0, 8.0]).__next__
+    denominator = iter([1.0, 1.0, 4.0]).__next__
+    assert round_robin({"k": Pairs(numerator, denominator, 3, warmed=True)}, rounds=1) == {"k": 2.0}
