@@ -1,6 +1,7 @@
 """Our pipeline against what a user would write with the libraries it builds on (`make bench`). Every number is a
 ratio of two timings taken side by side in one run, interleaved and repeated, with the median kept. The harvest keys'
-pairs are dealt out over rounds through all of them (`round_robin`), the compiled keys' among themselves.
+pairs and the training keys' are dealt out over rounds through all of them (`round_robin`), the compiled keys' among
+themselves.
 
   harvest_vs_hf_pipeline_{shape}_b{B}   harvest examples/s, `redumix_generate` over the same four stages written
                                         with transformers' `model.generate` and its CFG redo, 32 tokens a stage.
@@ -356,15 +357,15 @@ def _training_rows(vocab: int, rows: int, x: int, x2: int, y: int) -> tuple[dict
 
 
 def gkd_offline_vs_trl_live_teacher(
-    student: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: int = 16, x: int = 40, x2: int = 280,
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: int = 16, x: int = 40, x2: int = 280,
     y: int = 120, repeats: int = 3,
-) -> float:
+) -> Pairs:
     """Goal ≥ 1.5. Step time of TRL's GKDTrainer with a live teacher computing p_mix from x and x2 every step
     (`LiveMixtureGKDTrainer`, lmbda=0 so both train on the same fixed y) over our offline step (SparseGKDTrainer,
     the stored top-k + tail of p_mix), on one batch of `rows` rows of x, x2 and y tokens. Both go through
     `Trainer.training_step` (forward, loss, backward) then the same AdamW step over the same student; float32,
-    β=0 as the tiny recipe trains, interleaved repeats, median ratio. `student` is trained in place; the teacher
-    is a frozen copy of it taken first.
+    β=0 as the tiny recipe trains. The student and the frozen teacher are copies of `model`, which stays as it was,
+    so the pairs can be dealt out among other keys' (the student's changing weights do not change a step's cost).
 
     Floor: theirs does everything ours does plus two teacher forwards over [x ‖ y] and [x2 ‖ y] and a full-vocabulary
     loss over three [N, V] distributions. A student step (forward + backward) costs about 3 forwards over x ‖ y, so
@@ -373,13 +374,13 @@ def gkd_offline_vs_trl_live_teacher(
     compute-bound, toward ≈1.7 where a small batch leaves it latency-bound (two teacher forwards against a forward
     and a backward, each costing about its call).
     """
-    teacher = copy.deepcopy(student).eval()  # the frozen starting model
-    student.train()
+    teacher = copy.deepcopy(model).eval()
+    student = copy.deepcopy(model).train()
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-5)  # one optimizer: both step the same weights
     ours_batch, theirs_batch = _training_rows(min(len(tokenizer), student.config.vocab_size), rows, x, x2, y)
     tokens = int((ours_batch["labels"][:, 1:] != -100).sum())  # what HF Trainer passes as num_items_in_batch
-    with tempfile.TemporaryDirectory() as out:
-        dataset = Dataset.from_list([{"input_ids": [0, 1]}])  # never read: the steps are fed their batch
+    dataset = Dataset.from_list([{"input_ids": [0, 1]}])  # never read: the steps are fed their batch
+    with tempfile.TemporaryDirectory() as out:  # the trainers make it; their training steps never write to it
         common = {"output_dir": out, "per_device_train_batch_size": rows, "bf16": False, "use_cpu": True,
                   "report_to": "none", "max_length": None, "remove_unused_columns": False}
         trl = LiveMixtureGKDTrainer(
@@ -391,14 +392,14 @@ def gkd_offline_vs_trl_live_teacher(
             data_collator=lambda rows: rows, train_dataset=dataset, processing_class=tokenizer,
             optimizers=(optimizer, None), beta=0.0)
 
-        def step(trainer: Any, batch: dict[str, torch.Tensor]) -> Callable[[], float]:
-            def go() -> None:
-                trainer.training_step(student, dict(batch), num_items_in_batch=tokens)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            return lambda: timed(go)
+    def step(trainer: Any, batch: dict[str, torch.Tensor]) -> Callable[[], float]:
+        def go() -> None:
+            trainer.training_step(student, dict(batch), num_items_in_batch=tokens)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return lambda: timed(go)
 
-        return median_ratio(step(trl, theirs_batch), step(ours, ours_batch), repeats=repeats)
+    return Pairs(step(trl, theirs_batch), step(ours, ours_batch), pairs=repeats)
 
 
 # (batch, examples, repeats) per shape: a smollm2 example costs ~30x an embedded one, so it gets fewer of both.
@@ -451,15 +452,16 @@ def run(quick: bool = False) -> dict[str, float | int]:
             for name, stages in ((shape, fixed), (f"{shape}_real", real)):
                 harvests[f"harvest_vs_hf_pipeline_{name}_b{batch}"] = harvest_pairs(model, tokenizer, batch, n, stages,
                                                                                     repeats)
-    time_harvests(results, harvests, rounds)
+    trainings = {}
     for shape, model in models.items():
         rows, repeats = TRAIN_RUNS[shape]
-        key = f"gkd_offline_vs_trl_live_teacher_{shape}_b{rows}"
-        # After the harvests: it trains `model`.
-        results[key] = round(gkd_offline_vs_trl_live_teacher(model, tokenizer, rows, size["x"], size["x2"], size["y"],
-                                                             1 if quick else repeats), 3)
+        trainings[f"gkd_offline_vs_trl_live_teacher_{shape}_b{rows}"] = gkd_offline_vs_trl_live_teacher(
+            model, tokenizer, rows, size["x"], size["x2"], size["y"], 1 if quick else repeats)
+    ratios = time_harvests(results, harvests, rounds, trainings)
+    for key in trainings:
+        results[key] = round(ratios[key], 3)
         print(f"bench_peers: {key} {results[key]}", flush=True)
-    del models, harvests
+    del models, harvests, trainings
     # The compiled harvest last, on a fresh model, so no other key is timed in a process that has run compiled
     # kernels. Embedded shape only: at SmolLM2's a compile takes minutes and a CPU step gains little at batch 16.
     model = embedded_model(tokenizer)
@@ -476,11 +478,14 @@ def run(quick: bool = False) -> dict[str, float | int]:
 
 def time_harvests(
     results: dict[str, float | int], harvests: dict[str, tuple[Pairs, Callable[[float], HarvestComparison]]],
-    rounds: int,
-) -> None:
-    ratios = round_robin({key: pairs for key, (pairs, _) in harvests.items()}, rounds, label="bench_peers")
+    rounds: int, others: dict[str, Pairs] | None = None,
+) -> dict[str, float]:
+    """Records the harvest keys' comparisons; returns every key's ratio, `others`' dealt out in the same rounds."""
+    ratios = round_robin({key: pairs for key, (pairs, _) in harvests.items()} | (others or {}), rounds,
+                         label="bench_peers")
     for key, (_, compare) in harvests.items():
         record_harvest(results, key, compare(ratios[key]))
+    return ratios
 
 
 if __name__ == "__main__":
