@@ -332,22 +332,21 @@ def _fit_window(
 
 
 def mixture_topk(
-    logits_x: torch.Tensor, logits_x2: torch.Tensor, lam: float | torch.Tensor, topk: int
+    logits_x: torch.Tensor, logits_x2: torch.Tensor, lam: float, topk: int
 ) -> tuple[torch.Tensor, torch.return_types.topk, torch.Tensor]:
     """log p_mix from each context's logits (N, V), its top-k, and the log of its mass outside the top-k.
 
-    The harvest's decode loop and the on-policy teacher (train/onpolicy.py) both call this, so the live target is
-    the stored one. `lam` is a number or (N,) per row. The tail is a logsumexp over the other ids, not 1 − Σp,
-    which cancels when the top-k holds nearly all the mass.
+    The harvest's decode loop and the on-policy teacher (train/onpolicy.py, row by row, each row with its own λ) both
+    call this, so the live target is the stored one. The tail is a logsumexp over the other ids, not 1 − Σp, which
+    cancels when the top-k holds nearly all the mass.
     """
     logp_x, logp_x2 = torch.log_softmax(logits_x.float(), dim=-1), torch.log_softmax(logits_x2.float(), dim=-1)
-    if isinstance(lam, (int, float)) and lam in (0, 1):  # exact: λ=1 is plain decoding from x, λ=0 from x2
+    if lam in (0, 1):  # exact, and no 0·−inf = NaN: λ=1 is plain decoding from x, λ=0 from x2
         mix = logp_x if lam == 1 else logp_x2
     else:
-        weight = lam if isinstance(lam, (int, float)) else lam.to(logp_x).unsqueeze(-1)
         # In place on the fresh log-softmaxes, and not torch.lerp, whose a + w·(b − a) turns an id that both
         # contexts rule out (−inf) into NaN.
-        mix = torch.log_softmax(logp_x.mul_(weight).add_(logp_x2.mul_(1 - weight)), dim=-1)
+        mix = torch.log_softmax(logp_x.mul_(lam).add_(logp_x2.mul_(1 - lam)), dim=-1)
     top = torch.topk(mix, min(topk, mix.shape[-1]), dim=-1)
     # float32 is enough: logsumexp sums exp(v − max) ≤ 1, so its error is float32's relative one (~1e-7) whatever
     # the tail's size; float64 adds nothing over float32 inputs and costs 14x at a 49k vocab (its exp is scalar).

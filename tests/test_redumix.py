@@ -90,6 +90,18 @@ def test_tail_is_exact_with_masked_or_extreme_logits(masked):
     assert torch.all(whole == float("-inf"))
 
 
+@pytest.mark.parametrize("lam", [0, 1, 0.0, 1.0])
+def test_lambda_at_an_end_is_that_context_exactly(lam):
+    """λ = 1 is plain decoding from x and λ = 0 from x2, bit for bit, also where the other context rules ids out
+    (−inf): a weighted sum would make those 0·−inf = NaN."""
+    gen = torch.Generator().manual_seed(1)
+    logits_x, logits_x2 = torch.randn(3, 50, generator=gen), torch.randn(3, 50, generator=gen)
+    logits_x[:, 40:], logits_x2[:, :10] = float("-inf"), float("-inf")
+    mix, top, tail = mixture_topk(logits_x, logits_x2, lam, 5)
+    assert torch.equal(mix, torch.log_softmax(logits_x if lam == 1 else logits_x2, dim=-1))
+    assert not (mix.isnan().any() or top.values.isnan().any() or tail.isnan().any())
+
+
 def test_mixture_is_the_normalised_geometric_mean(tiny_chat_model):
     """At the first redo token, the stored p_mix equals softmax(λ log p1 + (1-λ) log p2), computed by hand."""
     model, tok = tiny_chat_model
