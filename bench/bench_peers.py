@@ -4,8 +4,9 @@ pairs and the training keys' are dealt out over rounds through all of them (`rou
 themselves.
 
   harvest_vs_hf_pipeline_{shape}_b{B}   harvest examples/s, `redumix_generate` over the same four stages written
-                                        with transformers' `model.generate` and its CFG redo, 32 tokens a stage.
-                                        Goal ≥ 2.
+                                        with transformers' `model.generate` and its CFG redo, 32 tokens a stage,
+                                        at batch 1, 16 and the batch the shape's recipe harvests at (128 for the
+                                        embedded default, 16 for SmolLM2-135M). Goal ≥ 2.
   harvest_vs_hf_pipeline_{shape}_real_b{B}  the same at the stage lengths of a real harvest of that shape
                                         (REAL_STAGES). Goal ≥ 2.
   harvest_vs_hf_pipeline_embedded[_real]_compiled_b{B}
@@ -36,6 +37,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,6 +53,7 @@ from redumix.generate.model_io import stop_token_ids
 from redumix.generate.policy import SamplingPolicy
 from redumix.generate.redumix import RedumixConfig, redumix_generate
 from redumix.generate.state import COMPILED_FORWARD, use_compiled_decoding
+from redumix.pipeline.config import load_config
 from redumix.train.config import TrainConfig
 from redumix.train.data import SparseTeacherCollator
 from redumix.train.loss import select_targets
@@ -247,11 +250,11 @@ def harvest_pairs(
     costs its tokens and ≈1.3 where it costs its call (the weights are read once a call), plus their per-step
     Python where the model is small. On a GPU, prefills are
     parallel and decode is latency-bound, so the call count rules: ≈1.3-1.4, and ≈2 only at batches large enough
-    to be compute-bound. `_calls_ratio` and `_positions_ratio` count both floors as run: 1.19-1.33 and 1.7-3.1 at
+    to be compute-bound. `_calls_ratio` and `_positions_ratio` count both floors as run: 1.19-1.33 and 1.7-3.2 at
     the bench's sizes. Measured on 2 CPU cores (bench/results.json), the eager ratio follows the calls at the
-    embedded shape and climbs toward the positions at batch 16 on SmolLM2's shape, where a forward starts to cost
-    its rows; so the goal of 2 is out of reach wherever a forward costs its call, unless our call gets cheaper than
-    transformers' eager forward. The
+    embedded shape's batches 1 and 16 and climbs toward the positions where a forward starts to cost its rows: at
+    batch 16 on SmolLM2's shape, and at the embedded recipe's batch of 128. So the goal of 2 is out of reach
+    wherever a forward costs its call, unless our call gets cheaper than transformers' eager forward. The
     `_compiled` keys make it so: `model.compile_decoding` runs our one-token steps through `torch.compile` (about
     half the time a step at the embedded shape), while theirs runs as `generate` does, eagerly.
 
@@ -402,11 +405,18 @@ def gkd_offline_vs_trl_live_teacher(
     return Pairs(step(trl, theirs_batch), step(ours, ours_batch), pairs=repeats)
 
 
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+# The batch each shape's recipe harvests at: recipes/tiny.yaml's for the embedded default (128), and SmolLM2-135M's
+# recipe's (16), which the batch-16 keys already cover.
+RECIPE_BATCH = {"embedded": load_config(RECIPES / "tiny.yaml").harvest.batch_size,
+                "smollm2": load_config(RECIPES / "smollm2-135m-arith.yaml").harvest.batch_size}
 # (batch, examples, repeats) per shape: a smollm2 example costs ~30x an embedded one, so it gets fewer of both.
 # At batch 1, 8 examples take 1-4 s a side, yet one process's pairs ranged from 2.0 to 4.2 (compiled) on a shared
 # 2-core host, and medians of 5 from 2.2 to 2.7 between processes: so 9 pairs there. SmolLM2's batch-16 keys take
-# 1-3 minutes a pair; one pair each gave 2.23 and 1.72 in two runs, so 2, in two rounds.
-HARVEST_RUNS = {"embedded": ((1, 8, 9), (16, 16, 5)), "smollm2": ((1, 1, 1), (16, 16, 2))}
+# 1-3 minutes a pair; one pair each gave 2.23 and 1.72 in two runs, so 2, in two rounds. At the embedded recipe's
+# batch, one batch of examples takes 4-6 s a pair.
+HARVEST_RUNS = {"embedded": ((1, 8, 9), (16, 16, 5), (RECIPE_BATCH["embedded"], RECIPE_BATCH["embedded"], 5)),
+                "smollm2": ((1, 1, 1), (RECIPE_BATCH["smollm2"], RECIPE_BATCH["smollm2"], 2))}
 # The `_real` keys' stage lengths: the median stages of real harvests, whose caps they become. The embedded default's
 # (runs/evidence, 2,048 rows: attempt 24, reflection 79, redo 24 tokens) and SmolLM2-135M-Instruct's on its recipe
 # (96 rows: attempt 92, reflection 96, redo 96; caps 96). Its x stays the bench prompt's (≈20 tokens, against 85
