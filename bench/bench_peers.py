@@ -473,7 +473,9 @@ def run(quick: bool = False) -> dict[str, float | int]:
         print(f"bench_peers: {key} {results[key]}", flush=True)
     del models, harvests, trainings
     # The compiled harvest last, on a fresh model, so no other key is timed in a process that has run compiled
-    # kernels. Embedded shape only: at SmolLM2's a compile takes minutes and a CPU step gains little at batch 16.
+    # kernels. Embedded shape only: at SmolLM2's a compile takes 1-5 minutes and the compiled CPU step is slower than
+    # the eager one (a step over a 150-token cache, two runs: 116-120 against 100 ms at batch 16, 210-214 against
+    # 146-151 ms at batch 32).
     model = embedded_model(tokenizer)
     real_embedded = fixed if quick else REAL_STAGES["embedded"]
     results["compile_decoding_seconds_embedded"] = round(compile_decoding(model, tokenizer), 1)

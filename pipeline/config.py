@@ -54,7 +54,7 @@ class ModelConfig:
         default=False,
         metadata={"help": "Run each one-token decode step through torch.compile (harvest, eval, calibrate): "
                   "about 2x faster a step for a small model on a CPU, after a one-off compile of 30-60 s a process "
-                  "(minutes for a 30-layer model, where a CPU gains little at batch 16)."},
+                  "(for a 30-layer model 1-5 minutes, and on a CPU its compiled step is slower than the eager one)."},
     )
 
 
