@@ -405,18 +405,26 @@ def gkd_offline_vs_trl_live_teacher(
     return Pairs(step(trl, theirs_batch), step(ours, ours_batch), pairs=repeats)
 
 
+Run = tuple[int, int, int]  # (batch, examples, repeats)
+
+
+def with_recipe_batch(runs: tuple[Run, ...], batch: int, repeats: int) -> tuple[Run, ...]:
+    """`runs` and one batch of the recipe's size, unless a run already has that batch (its key would repeat)."""
+    return runs if any(b == batch for b, _, _ in runs) else (*runs, (batch, batch, repeats))
+
+
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 # The batch each shape's recipe harvests at: recipes/tiny.yaml's for the embedded default (128), and SmolLM2-135M's
 # recipe's (16), which the batch-16 keys already cover.
 RECIPE_BATCH = {"embedded": load_config(RECIPES / "tiny.yaml").harvest.batch_size,
                 "smollm2": load_config(RECIPES / "smollm2-135m-arith.yaml").harvest.batch_size}
-# (batch, examples, repeats) per shape: a smollm2 example costs ~30x an embedded one, so it gets fewer of both.
+# The runs per shape, the recipe batch last: a smollm2 example costs ~30x an embedded one, so it gets fewer of both.
 # At batch 1, 8 examples take 1-4 s a side, yet one process's pairs ranged from 2.0 to 4.2 (compiled) on a shared
 # 2-core host, and medians of 5 from 2.2 to 2.7 between processes: so 9 pairs there. SmolLM2's batch-16 keys take
 # 1-3 minutes a pair; one pair each gave 2.23 and 1.72 in two runs, so 2, in two rounds. At the embedded recipe's
 # batch, one batch of examples takes 4-6 s a pair.
-HARVEST_RUNS = {"embedded": ((1, 8, 9), (16, 16, 5), (RECIPE_BATCH["embedded"], RECIPE_BATCH["embedded"], 5)),
-                "smollm2": ((1, 1, 1), (RECIPE_BATCH["smollm2"], RECIPE_BATCH["smollm2"], 2))}
+HARVEST_RUNS = {"embedded": with_recipe_batch(((1, 8, 9), (16, 16, 5)), RECIPE_BATCH["embedded"], 5),
+                "smollm2": with_recipe_batch(((1, 1, 1),), RECIPE_BATCH["smollm2"], 2)}
 # The `_real` keys' stage lengths: the median stages of real harvests, whose caps they become. The embedded default's
 # (runs/evidence, 2,048 rows: attempt 24, reflection 79, redo 24 tokens) and SmolLM2-135M-Instruct's on its recipe
 # (96 rows: attempt 92, reflection 96, redo 96; caps 96). Its x stays the bench prompt's (≈20 tokens, against 85

@@ -19,6 +19,7 @@ from bench.bench_peers import (
     harvest_vs_hf_pipeline,
     hf_redo,
     ours_harvest,
+    with_recipe_batch,
 )
 from redumix.generate.redumix import mixture_topk
 from redumix.train.loss import select_targets, sparse_gkd_loss
@@ -98,3 +99,11 @@ def test_gkd_comparison_trains_a_copy(tiny_tokenizer):
     assert median_ratio(pairs.numerator, pairs.denominator, pairs.pairs) > 0
     # Both trainers stepped a copy: the harvest keys timed in the same rounds keep the model they were built on.
     assert all(torch.equal(before[name], weight) for name, weight in model.state_dict().items())
+
+
+def test_a_recipe_batch_already_timed_is_not_timed_twice():
+    runs = ((1, 8, 9), (16, 16, 5))
+    assert with_recipe_batch(runs, 128, 5) == (*runs, (128, 128, 5))
+    # A second (1, 1, 5) would give the key of (1, 8, 9) and replace it in the bench's dict of keys.
+    assert with_recipe_batch(runs, 1, 5) == runs
+    assert with_recipe_batch(runs, 16, 5) == runs
