@@ -53,7 +53,7 @@ class ModelConfig:
     compile_decoding: bool = field(
         default=False,
         metadata={"help": "Run each one-token decode step through torch.compile (harvest, eval, calibrate): "
-                  "about 2x faster a step for a small model on a CPU, after a one-off compile of 30-60 s a process "
+                  "about 2x faster a step for a small model on a CPU, after a one-off compile of 15-60 s a process "
                   "(for a 30-layer model 1-5 minutes, and on a CPU its compiled step is slower than the eager one)."},
     )
 
@@ -130,8 +130,8 @@ class BaseConfig:
     shipped: str | None = field(
         default=None,
         metadata={"help": "A folder with a base that `redumix base` built from these settings. When its "
-                  "build_config.yaml matches, harvest, train and eval copy it into RUN_DIR/base instead of building; "
-                  "`redumix base` always builds from the code."},
+                  "build_config.yaml matches, harvest, eval, calibrate, rounds and evidence copy it into RUN_DIR/base "
+                  "instead of building; `redumix base` always builds from the code."},
     )
 
     def __post_init__(self) -> None:

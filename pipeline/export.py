@@ -2,8 +2,8 @@
 
 Each pair is conversational, in the format TRL's DPOTrainer reads directly, so the model's own chat template
 renders it: prompt = [user: x], chosen = [assistant: y (the redo, correct)], rejected = [assistant: y1 (the
-original, wrong)]. Writes RUN_DIR/export/dpo.jsonl (one JSON object a line, with the row id), then
-RUN_DIR/export/manifest.json last; a complete export is skipped.
+original, wrong)]. Writes RUN_DIR/export/dpo.jsonl (one JSON object a line, with the row id) and the resolved
+config.yaml, then RUN_DIR/export/manifest.json last; a complete export is skipped.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from redumix.data.prompts import attempt_messages
 from redumix.data.shards import load_shards
-from redumix.pipeline.config import Config
+from redumix.pipeline.config import Config, config_to_yaml
 from redumix.pipeline.harvest import check_harvest
 from redumix.pipeline.run import RunDir, atomic_write_json, atomic_write_text, print0, rank, read_json
 
@@ -43,6 +43,7 @@ def run_export(config: Config, run: RunDir) -> dict[str, Any]:
     check_harvest(run.harvest)
     rows = load_shards(run.harvest)
     pairs = dpo_pairs(rows)
+    atomic_write_text(out / "config.yaml", config_to_yaml(config))
     atomic_write_text(out / "dpo.jsonl", "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs))
     result = {"rows": len(rows), "pairs": len(pairs), "file": "dpo.jsonl"}
     atomic_write_json(manifest, result)

@@ -25,6 +25,7 @@ def test_export_then_dpo_two_steps(tmp_path: Path) -> None:
     pairs = [json.loads(line) for line in (run.root / "export" / "dpo.jsonl").read_text().splitlines()]
     assert [p["id"] for p in pairs] == [f"t-{i:05d}" for i in expected]
     assert pairs[0]["prompt"][0]["role"] == "user" and pairs[0]["chosen"][0]["role"] == "assistant"
+    assert load_config(run.root / "export" / "config.yaml") == load_config(None)  # the resolved config beside them
     assert run_export(load_config(None), run) == result  # complete: skipped
 
     tokenizer = tiny_tokenizer()
