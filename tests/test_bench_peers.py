@@ -17,10 +17,12 @@ from bench.bench_peers import (
     counting,
     gkd_offline_vs_trl_live_teacher,
     harvest_vs_hf_pipeline,
+    hf_harvest,
     hf_redo,
     ours_harvest,
     with_recipe_batch,
 )
+from bench.harvest_split import split_harvest
 from redumix.generate.redumix import mixture_topk
 from redumix.train.loss import select_targets, sparse_gkd_loss
 from redumix.train.onpolicy import context_logits
@@ -107,3 +109,15 @@ def test_a_recipe_batch_already_timed_is_not_timed_twice():
     # A second (1, 1, 5) would give the key of (1, 8, 9) and replace it in the bench's dict of keys.
     assert with_recipe_batch(runs, 1, 5) == runs
     assert with_recipe_batch(runs, 16, 5) == runs
+
+
+def test_harvest_split_times_every_forward_each_side_makes(tiny_llama_chat_model):
+    """Their CFG redo's second forward, our prefills and extensions: each counted once, as prefill or decode."""
+    model, tokenizer = tiny_llama_chat_model
+    for harvest in (hf_harvest, ours_harvest):
+        seen = Forwards()
+        with counting(model, seen), torch.no_grad():
+            split = split_harvest(model, tokenizer, PROMPTS[:2], Stages(4, 6), harvest)
+        assert split.prefill_calls + split.decode_calls == seen.calls
+        assert split.prefill_calls >= 1 and split.decode_calls >= 4 + 6 - 2  # the first token of a stage comes free
+        assert 0 < split.prefill_seconds + split.decode_seconds <= split.wall
