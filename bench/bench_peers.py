@@ -188,15 +188,19 @@ class Forwards:
     positions: int = 0
 
 
+def fed_to_forward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """The ids (or embeddings) a forward call was given, [rows, new positions, ...], as a forward hook sees them."""
+    fed = kwargs.get("input_ids", args[0] if args else None)
+    return kwargs["inputs_embeds"] if fed is None else fed
+
+
 @contextmanager
 def counting(model: PreTrainedModel, into: Forwards) -> Iterator[None]:
     """Count every forward of `model` (transformers' CFG calls the model itself for its second context, so its
     calls are counted too). A pre-hook costs microseconds against a forward's milliseconds, on both sides alike."""
 
     def count(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        fed = kwargs.get("input_ids", args[0] if args else None)
-        if fed is None:
-            fed = kwargs["inputs_embeds"]
+        fed = fed_to_forward(args, kwargs)
         into.calls += 1
         into.positions += fed.shape[0] * fed.shape[1]
 

@@ -20,7 +20,15 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from bench.bench_decode import TASK
-from bench.bench_peers import REAL_STAGES, Redo, Stages, decodable_only, hf_harvest, ours_harvest
+from bench.bench_peers import (
+    REAL_STAGES,
+    Redo,
+    Stages,
+    decodable_only,
+    fed_to_forward,
+    hf_harvest,
+    ours_harvest,
+)
 from bench.models import embedded_tokenizer, smollm2_shape_model
 
 
@@ -44,8 +52,7 @@ def timing_forwards(model: PreTrainedModel, into: Split) -> Iterator[None]:
     began: list[tuple[float, int]] = []
 
     def start(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        fed = kwargs.get("input_ids", args[0] if args else None)
-        began.append((time.perf_counter(), (fed if fed is not None else kwargs["inputs_embeds"]).shape[1]))
+        began.append((time.perf_counter(), fed_to_forward(args, kwargs).shape[1]))
 
     def stop(module: torch.nn.Module, args: Any, kwargs: dict[str, Any], out: Any) -> None:
         at, positions = began.pop()
