@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import signal
 import string
-from collections.abc import Iterator
+import subprocess
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -27,6 +30,24 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def kill_when(process: subprocess.Popen, ready: Callable[[], bool], timeout: float = 300) -> None:
+    """SIGKILL `process` as soon as `ready()` holds, and check that the kill interrupted it.
+
+    A fault test kills at a point the run's own progress marks (a shard, a checkpoint, a record file), chosen so
+    that real work is left after it. A kill after a random delay instead lands on a finished process on a fast host.
+    """
+    deadline = time.time() + timeout
+    while not ready():
+        if process.poll() is not None:
+            pytest.fail(f"the process ended (exit {process.returncode}) before the point it was to be killed at")
+        if time.time() > deadline:
+            process.kill()
+            pytest.fail(f"the kill point was not reached in {timeout} s")
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL, "the process finished before the kill: nothing was interrupted"
 
 
 def build_tiny_tokenizer(specials: list[str] = SPECIALS) -> PreTrainedTokenizerFast:

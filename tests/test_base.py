@@ -28,6 +28,7 @@ from redumix.pipeline.base import (
 )
 from redumix.pipeline.config import load_config
 from redumix.pipeline.run import RunDir
+from tests.conftest import kill_when
 
 CONVERSATION = redo_messages(
     "Ava has 23 apples. She buys 17 more. How many apples does Ava have now?",
@@ -216,10 +217,8 @@ def test_a_partial_build_of_other_settings_is_not_resumed(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_killed_base_build_resumes_to_the_same_weights(tmp_path):
     """SIGKILL the real CLI once a checkpoint exists; the rerun ends with the weights of an unbroken build."""
-    import signal
     import subprocess
     import sys
-    import time
 
     overrides = [o.replace("base.steps=12", "base.steps=60").replace("checkpoint_steps=4", "checkpoint_steps=10")
                  for o in RESUMABLE]
@@ -229,11 +228,7 @@ def test_a_killed_base_build_resumes_to_the_same_weights(tmp_path):
                "--run-dir", str(tmp_path / "killed"), *overrides]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     state = tmp_path / "killed" / ".base.partial" / "checkpoint" / "state.json"
-    deadline = time.time() + 300
-    while not state.exists() and process.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    kill_when(process, state.exists)  # the first checkpoint of six
     killed = RunDir(tmp_path / "killed")
     run_base(load_config("recipes/tiny.yaml", overrides), killed)
     expected, resumed = _weights(whole), _weights(killed)

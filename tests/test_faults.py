@@ -7,10 +7,8 @@ import errno
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from redumix.pipeline.config import load_config
 from redumix.pipeline.eval import run_eval
 from redumix.pipeline.harvest import run_harvest
 from redumix.pipeline.run import RunDir, atomic_write_bytes
+from tests.conftest import kill_when
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -54,12 +53,9 @@ def test_a_killed_eval_resumes_to_the_same_report(tmp_path, tiny_model_dir):
                "--run-dir", str(killed), f"model.path={tiny_model_dir}", *SMALL]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     generations = killed / "eval" / "generations"
-    deadline = time.time() + 300
-    while process.poll() is None and time.time() < deadline and len(list(generations.glob("*.jsonl"))) < 3:
-        time.sleep(0.05)
-    time.sleep(random.uniform(0, 1.0))  # somewhere inside a later decoder's batches
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    # A decoder's record file appears after its first batch: kill inside a random decoder, later ones still to run.
+    started = random.randint(1, 6)
+    kill_when(process, lambda: len(list(generations.glob("*.jsonl"))) >= started)
     run_eval(config, RunDir(killed))
     assert _records(killed) == _records(tmp_path / "whole")
     assert _report_rows(killed) == _report_rows(tmp_path / "whole")
@@ -138,13 +134,8 @@ def test_a_killed_train_resumes_to_the_same_weights(tmp_path):
     command = [sys.executable, "-m", "redumix.pipeline.cli", "train", "--recipe", str(recipe),
                "--run-dir", str(killed.root), f"model.path={killed.base}", *settings]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    checkpoints = killed.train / "checkpoints"
-    deadline = time.time() + 300
-    while process.poll() is None and time.time() < deadline and not list(checkpoints.glob("checkpoint-*")):
-        time.sleep(0.05)
-    time.sleep(random.uniform(0, 1.0))
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    checkpoint = killed.train / "checkpoints" / f"checkpoint-{random.choice([2, 4, 6, 8])}"  # of 12 steps
+    kill_when(process, checkpoint.exists)
     resumed = run_train(load_config(recipe, [f"model.path={killed.base}", *settings]), killed)
     assert resumed["steps"] == expected["steps"] == 12
     assert resumed["final_loss"] == pytest.approx(expected["final_loss"], abs=1e-5)
@@ -171,13 +162,12 @@ def test_killed_rounds_resume_to_the_same_rounds(tmp_path, tiny_model_dir):
     command = [sys.executable, "-m", "redumix.pipeline.cli", "rounds", "--recipe", str(recipe),
                "--run-dir", str(killed), *settings]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    first_shard = killed / "rounds" / "round-1" / "harvest" / "shard-00000.arrow"
-    deadline = time.time() + 300
-    while process.poll() is None and time.time() < deadline and not first_shard.exists():
-        time.sleep(0.05)
-    time.sleep(random.uniform(0, 3.0))  # anywhere from round 1's harvest to round 2's
-    process.send_signal(signal.SIGKILL)
-    assert process.wait() == -signal.SIGKILL  # it was still running: the kill really interrupted it
+    # Anywhere from round 1's harvest to round 2's training, each point with a round's work or more still to do.
+    one, two = (killed / "rounds" / f"round-{index}" for index in (1, 2))
+    marker = random.choice([one / "harvest" / "shard-00000.arrow", one / "harvest" / "manifest.json",
+                            one / "train" / "checkpoints" / "checkpoint-1", one / "eval" / "generations",
+                            two / "harvest" / "shard-00001.arrow", two / "train" / "checkpoints" / "checkpoint-1"])
+    kill_when(process, marker.exists)
     run_rounds(load_config(recipe, settings), RunDir(killed))
 
     for index in (1, 2):

@@ -2,10 +2,8 @@ import json
 import math
 import os
 import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import datasets
@@ -16,7 +14,7 @@ from redumix.pipeline.cli import main
 from redumix.pipeline.config import load_config
 from redumix.pipeline.harvest import run_harvest
 from redumix.pipeline.run import RunDir
-from tests.conftest import one_thread
+from tests.conftest import kill_when, one_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -109,12 +107,8 @@ def test_killed_harvest_resumes_to_the_same_rows(tmp_path, model_dir):
                "--recipe", str(ROOT / "recipes" / "tiny.yaml"),
                "--run-dir", str(run_dir), f"model.path={model_dir}", *SMALL]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while not shard_paths(run_dir / "harvest") and time.time() < deadline and process.poll() is None:
-        time.sleep(0.05)
-    time.sleep(random.uniform(0, 0.5))  # somewhere inside a later shard, or after the last
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    written = random.randint(1, 3)  # of 4 shards: killed inside a later one
+    kill_when(process, lambda: len(shard_paths(run_dir / "harvest")) >= written, timeout=120)
     resumed = comparable(harvest(run_dir, model_dir))
     assert resumed == expected
     leftovers = [p for p in (run_dir / "harvest").iterdir() if p.name.endswith(".tmp")]
