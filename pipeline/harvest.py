@@ -24,6 +24,7 @@ from redumix.data.shards import (
     bad_shards,
     encode_shard,
     iter_rows,
+    read_shard,
     readable_rows,
     shard_name,
     shard_paths,
@@ -89,7 +90,7 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
     rows_per_shard = config.harvest.shard_rows
     n_shards = math.ceil(len(examples) / rows_per_shard)
     if rank() == 0:
-        _drop_broken_shards(out, n_shards, len(examples), rows_per_shard)
+        _drop_unusable_shards(out, n_shards, examples, rows_per_shard, fingerprint)
     barrier()
     mine = [k for k in range(n_shards) if k % world_size() == rank()]
     todo = [k for k in mine if not (out / shard_name(k)).exists()]
@@ -106,18 +107,41 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
         print0(format_summary(manifest))
 
 
-def _drop_broken_shards(out: Path, n_shards: int, n_examples: int, rows_per_shard: int) -> None:
-    """Delete shards on disk that do not read whole with the rows they must hold, so the resume redoes them.
+def _drop_unusable_shards(
+    out: Path, n_shards: int, examples: list[Example], rows_per_shard: int, fingerprint: str
+) -> None:
+    """Delete the shards on disk that this run cannot take in, each with a message naming it, so the resume redoes
+    them: one that does not read whole, holds other examples, or whose rows' own `meta.fingerprint` is another
+    config's (a shard copied from another run, with the right row count).
 
-    A shard appears atomically, so this finds only damage done after it was written (a disk fault, a copy cut
-    short); a complete harvest is checked against its manifest's checksums instead.
+    A shard appears atomically, so damage is done after it was written (a disk fault, a copy cut short); a complete
+    harvest is checked against its manifest's checksums instead.
     """
     for k in range(n_shards):
         path = out / shard_name(k)
-        expected = min(rows_per_shard, n_examples - k * rows_per_shard)
-        if path.exists() and readable_rows(path) != expected:
-            print0(f"harvest: {path.name} is damaged (does not read as {expected} rows); redoing it")
+        if not path.exists():
+            continue
+        wanted = [e.id for e in examples[k * rows_per_shard : (k + 1) * rows_per_shard]]
+        problem = _shard_problem(path, wanted, fingerprint)
+        if problem:
+            print0(f"harvest: {path.name} {problem}; redoing it")
             path.unlink()
+
+
+def _shard_problem(path: Path, ids: list[str], fingerprint: str) -> str | None:
+    if readable_rows(path) != len(ids):
+        return f"is damaged (does not read as {len(ids)} rows)"
+    try:
+        table = read_shard(path)
+    except ValueError as exc:
+        return f"is not a shard this version of redumix reads ({exc})"
+    if table["id"].to_pylist() != ids:
+        return "holds other examples than this run's (it was made by another run)"
+    found = sorted({json.loads(meta).get("fingerprint") for meta in table["meta"].to_pylist()})
+    if found != [fingerprint]:
+        theirs = ", ".join(map(str, found))
+        return f"was made with another config (its rows' fingerprint {theirs}, this run's {fingerprint})"
+    return None
 
 
 def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Example], shards: list[int]) -> None:

@@ -100,6 +100,20 @@ def test_a_damaged_shard_of_an_unfinished_harvest_is_redone(tmp_path, model_dir)
     assert comparable(harvest(tmp_path, model_dir)) == expected
 
 
+def test_a_foreign_shard_with_the_right_row_count_is_redone_and_named(tmp_path, model_dir, capsys):
+    """Before the manifest exists, a shard is taken in only when its rows' own fingerprint is this run's."""
+    harvest(tmp_path / "other", model_dir, "redumix.lam=0.7")
+    expected = comparable(harvest(tmp_path / "mine", model_dir))
+    folder = tmp_path / "mine" / "harvest"
+    (folder / "manifest.json").unlink()  # as if the run had died before it finished
+    foreign = tmp_path / "other" / "harvest" / "shard-00001.arrow"
+    (folder / "shard-00001.arrow").write_bytes(foreign.read_bytes())  # same row count, another λ
+    capsys.readouterr()
+    assert comparable(harvest(tmp_path / "mine", model_dir)) == expected
+    out = capsys.readouterr().out
+    assert "shard-00001.arrow was made with another config" in out and "shard-00000.arrow" not in out
+
+
 def test_killed_harvest_resumes_to_the_same_rows(tmp_path, model_dir):
     expected = comparable(harvest(tmp_path / "whole", model_dir))
     run_dir = tmp_path / "killed"
