@@ -15,6 +15,7 @@ from redumix.data.prompts import attempt_messages
 from redumix.data.shards import load_shards
 from redumix.pipeline.config import Config, config_to_yaml
 from redumix.pipeline.harvest import check_harvest
+from redumix.pipeline.lineage import changed_inputs, harvest_id
 from redumix.pipeline.run import RunDir, atomic_write_json, atomic_write_text, print0, rank, read_json
 
 
@@ -35,17 +36,21 @@ def dpo_pairs(rows: Any) -> list[dict[str, Any]]:
 def run_export(config: Config, run: RunDir) -> dict[str, Any]:
     out = run.root / "export"
     manifest = out / "manifest.json"
-    if manifest.is_file():
-        print0(f"export: already complete ({manifest}); delete {out} to export again")
-        return read_json(manifest)
     if rank() != 0:
         return {}
     check_harvest(run.harvest)
+    inputs = {"harvest": harvest_id(run.harvest)}
+    if manifest.is_file():
+        changed = changed_inputs(read_json(manifest).get("inputs"), inputs)
+        if not changed:
+            print0(f"export: already complete ({manifest}); delete {out} to export again")
+            return read_json(manifest)
+        print0(f"export: {out} was made from another {' and '.join(changed)}; exporting again")
     rows = load_shards(run.harvest)
     pairs = dpo_pairs(rows)
     atomic_write_text(out / "config.yaml", config_to_yaml(config))
     atomic_write_text(out / "dpo.jsonl", "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs))
-    result = {"rows": len(rows), "pairs": len(pairs), "file": "dpo.jsonl"}
+    result = {"rows": len(rows), "pairs": len(pairs), "file": "dpo.jsonl", "inputs": inputs}
     atomic_write_json(manifest, result)
     print0(f"export: {len(pairs)} DPO pairs (redo right, original wrong) of {len(rows)} rows -> {out / 'dpo.jsonl'}")
     return result

@@ -28,6 +28,7 @@ from redumix.generate.model_io import load_tokenizer, stop_token_ids
 from redumix.generate.policy import SamplingPolicy
 from redumix.pipeline.config import Config, config_to_yaml
 from redumix.pipeline.harvest import check_harvest
+from redumix.pipeline.lineage import changed_inputs, harvest_id, model_id
 from redumix.pipeline.run import (
     RunDir,
     atomic_write_json,
@@ -48,18 +49,20 @@ STAGE = "train"
 
 def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | None = None) -> dict[str, Any]:
     """Train, merge, score, and write the completion marker. `callbacks` are extra HF TrainerCallbacks (tests)."""
-    marker = run.train / "metrics.json"
-    if marker.is_file():
-        print0(f"train: already complete ({marker}); delete {run.train} to train again")
-        return read_json(marker)
     started = time.time()
     tc = config.train
     model_path = base_model_path(config, run)
+    harvest_dir = Path(tc.harvest_dir) if tc.harvest_dir else run.harvest
+    check_harvest(harvest_dir)
+    inputs = {"base": model_id(model_path), "harvest": harvest_id(harvest_dir)}
+    marker = run.train / "metrics.json"
+    if marker.is_file() and not changed_inputs(read_json(marker).get("inputs"), inputs):
+        print0(f"train: already complete ({marker}); delete {run.train} to train again")
+        return read_json(marker)
+    forget_stale_outputs(run.train, inputs)
     tokenizer = load_tokenizer(model_path, config.model.trust_remote_code)
 
     # --- rows -> examples -----------------------------------------------------------------------------------------
-    harvest_dir = Path(tc.harvest_dir) if tc.harvest_dir else run.harvest
-    check_harvest(harvest_dir)
     harvested = load_harvest(harvest_dir)
     rows = filter_rows(harvested, tc.rows)
     train_rows, held_rows = split_heldout(rows, tc.heldout_fraction)
@@ -134,6 +137,7 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
         "heldout_tokens": sum(len(e["input_ids"]) - e["prompt_length"] for e in held_examples),
         "wall_seconds": round(time.time() - started, 1),
         "peak_rss_mb": peak_rss_mb(),
+        "inputs": inputs,  # the base and harvest it was made from: a rerun after either changed trains again
     }
     log_metrics(run, STAGE, **{k: v for k, v in result.items() if k != "rows"})
     print0(f"train: held-out KL(p_mix ‖ model) per token: base {kl_base:.4f} -> merged {kl_merged:.4f} "
@@ -143,6 +147,38 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
 
 
 # --- helpers --------------------------------------------------------------------------------------------------------
+
+
+def forget_stale_outputs(out: Path, inputs: dict[str, str | None]) -> None:
+    """Clear `out` when what it holds (finished or not) was made from other inputs, then record these inputs.
+
+    Rank 0 clears and records; the other ranks wait until the record is this run's, so none resumes a checkpoint
+    that belongs to another harvest.
+    """
+    record = out / "inputs.json"
+    if rank() != 0:
+        deadline = time.time() + 600
+        while not (record.is_file() and _read_or_none(record) == inputs):
+            if time.time() > deadline:
+                raise RuntimeError(f"train: rank 0 did not record this run's inputs in {record} within 10 minutes")
+            time.sleep(0.1)
+        return
+    recorded = _read_or_none(record)
+    if recorded is None and (out / "metrics.json").is_file():
+        recorded = read_json(out / "metrics.json").get("inputs")
+    changed = changed_inputs(recorded, inputs) if out.exists() and any(out.iterdir()) else []
+    if changed:
+        print0(f"train: {out} was made from another {' and '.join(changed)} than the one here now; "
+               "it is stale, so it is trained again from the start")
+        shutil.rmtree(out)
+    atomic_write_json(record, inputs)
+
+
+def _read_or_none(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def base_model_path(config: Config, run: RunDir) -> Path:

@@ -45,3 +45,39 @@ def test_outputs_are_as_readable_as_the_umask_says(tmp_path, mask, mode):
     finally:
         os.umask(before)
     assert stat.S_IMODE((tmp_path / "report.json").stat().st_mode) == mode
+
+
+def test_train_and_export_made_from_an_old_harvest_are_redone_after_a_reharvest(tmp_path, capsys):
+    """The README's advice (delete harvest/, harvest again) must not leave train/ and export/ from the old rows."""
+    import shutil
+
+    from redumix.pipeline.config import load_config
+    from redumix.pipeline.export import run_export
+    from redumix.pipeline.lineage import harvest_id
+    from redumix.pipeline.run import RunDir
+    from redumix.pipeline.train import run_train
+    from tests.train_fixtures import write_base, write_harvest
+
+    run = RunDir(tmp_path / "run")
+    write_base(run.base)
+    write_harvest(run.harvest, n_rows=24, length=12, seed=0)
+    settings = [f"model.path={run.base}", "train.batch_size=4", "train.max_steps=2", "train.warmup_ratio=0.0",
+                "train.save_steps=1", "train.heldout_fraction=0.2"]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: r\n")
+    config = load_config(recipe, settings)
+    first = run_train(config, run)
+    first_export = run_export(config, run)
+    assert run_train(config, run) == first  # unchanged inputs: complete, skipped
+    capsys.readouterr()
+
+    shutil.rmtree(run.harvest)
+    write_harvest(run.harvest, n_rows=24, length=12, seed=1)  # another harvest, with as many rows
+    second = run_train(config, run)
+    out = capsys.readouterr().out
+    assert "was made from another harvest" in out and "already complete" not in out
+    assert second["inputs"]["harvest"] == harvest_id(run.harvest) != first["inputs"]["harvest"]
+    second_export = run_export(config, run)
+    assert "was made from another harvest" in capsys.readouterr().out
+    assert second_export["inputs"] != first_export["inputs"]
+    assert run_train(config, run) == second and "already complete" in capsys.readouterr().out
