@@ -81,3 +81,63 @@ def test_train_and_export_made_from_an_old_harvest_are_redone_after_a_reharvest(
     assert "was made from another harvest" in capsys.readouterr().out
     assert second_export["inputs"] != first_export["inputs"]
     assert run_train(config, run) == second and "already complete" in capsys.readouterr().out
+
+
+def _model_copy(tiny_model_dir, tmp_path):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    return folder
+
+
+def test_a_zero_byte_weights_file_is_named(tiny_model_dir, tmp_path):
+    from redumix.pipeline.preflight import check_model_files
+
+    folder = _model_copy(tiny_model_dir, tmp_path)
+    (folder / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        check_model_files(folder, trust_remote_code=False)
+
+
+def test_an_unknown_model_type_is_named(tiny_model_dir, tmp_path):
+    from redumix.pipeline.preflight import check_model_files
+
+    folder = _model_copy(tiny_model_dir, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "no-such-model"}))
+    with pytest.raises(ValueError, match=r"config\.json: transformers cannot load this model config"):
+        check_model_files(folder, trust_remote_code=False)
+
+
+def test_the_window_is_read_from_the_config(tiny_model_dir):
+    from redumix.pipeline.preflight import check_model_files
+
+    assert check_model_files(tiny_model_dir, trust_remote_code=False) == 2048
+
+
+def test_a_prompt_past_the_window_is_refused_naming_it(tiny_tokenizer):
+    from redumix.data.task import Example
+    from redumix.pipeline.preflight import check_prompts_fit
+
+    examples = [Example("ok-1", "t", "What is 2 + 2?", "4"), Example("long-2", "t", "x" * 100_000, "1")]
+    with pytest.raises(ValueError, match=r"1 prompt\(s\) do not fit the model's window of 512 .* long-2 \(100,0"):
+        check_prompts_fit(tiny_tokenizer, 512, examples, max_new_tokens=64)
+    check_prompts_fit(tiny_tokenizer, 512, examples[:1], max_new_tokens=64)
+
+
+@pytest.mark.parametrize("device, message", [("gpu0", "is not a device torch knows"),
+                                             ("cuda", "this machine has no CUDA GPU")])
+def test_a_device_the_machine_lacks_is_refused(device, message):
+    from redumix.pipeline.preflight import check_device
+
+    if device == "cuda" and torch_cuda():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match=message):
+        check_device(device)
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,89 @@
+"""What a stage checks before it claims any folder: the model loads, the device exists, the prompts fit.
+
+A stage that fails one of these checks has written nothing, so the rerun with the input fixed is not refused as "a
+different config". Each error names the file (or the key) and says what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from redumix.data.chat import prompt_ids
+from redumix.data.prompts import attempt_messages
+from redumix.data.task import Example
+
+
+def check_device(device: str) -> None:
+    """`model.device` names a device torch knows and this machine has."""
+    if device == "auto":
+        return
+    try:
+        wanted = torch.device(device)
+    except RuntimeError:
+        known = "use auto, cpu, cuda or cuda:N"
+        raise ValueError(f"model.device={device!r} is not a device torch knows; {known}") from None
+    if wanted.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"model.device={device!r}, but this machine has no CUDA GPU that torch can use; "
+                             "set model.device=auto (a GPU when there is one, else the CPU) or cpu")
+        if wanted.index is not None and wanted.index >= count:
+            raise ValueError(f"model.device={device!r}, but this machine has {count} CUDA GPU(s) (cuda:0 to "
+                             f"cuda:{count - 1}); pick one of them or set model.device=auto")
+
+
+def check_model_files(path: Path, trust_remote_code: bool) -> int | None:
+    """The folder's config.json names an architecture transformers knows and every weights file reads; returns the
+    model's window (positions), or None when the config gives none."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    path = Path(path)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ValueError(f"{path / 'config.json'}: transformers cannot load this model config ({_first_line(exc)}); "
+                         "set model.path to a folder saved by save_pretrained, with a model_type it knows") from None
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights and not list(path.glob("*.bin")):
+        raise ValueError(f"{path}: no weights (*.safetensors); set model.path to a folder saved by save_pretrained")
+    for file in weights:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                f.keys()
+        except Exception as exc:  # safetensors raises its own SafetensorError, not an OSError
+            raise ValueError(f"{file}: not a readable safetensors file ({_first_line(exc)}); copy the model's "
+                             "weights there again, or set model.path to another folder") from None
+    window = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return int(window) if window else None
+
+
+def check_prompts_fit(tokenizer, window: int | None, examples: Sequence[Example], max_new_tokens: int) -> None:
+    """Every example's prompt, rendered, leaves room in the model's window for `max_new_tokens` of answer.
+
+    A prompt past the window would be decoded anyway, slowly and with memory growing with its length, into an answer
+    that means nothing; it is refused instead, naming the examples.
+    """
+    if window is None:
+        return
+    too_long = []
+    for example in examples:
+        length = len(prompt_ids(tokenizer, attempt_messages(example.prompt)))
+        if length + max_new_tokens > window:
+            too_long.append((example.id, length))
+    if too_long:
+        named = ", ".join(f"{i} ({n:,} tokens)" for i, n in too_long[:5])
+        more = f" and {len(too_long) - 5} more" if len(too_long) > 5 else ""
+        raise ValueError(
+            f"{len(too_long)} prompt(s) do not fit the model's window of {window} positions with "
+            f"sampling.max_new_tokens={max_new_tokens} to answer in: {named}{more}; remove or shorten those examples, "
+            "lower sampling.max_new_tokens, or use a model with a longer window"
+        )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
