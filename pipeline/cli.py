@@ -8,10 +8,13 @@ evidence (the controls and ablations of the distillation claim).
 from __future__ import annotations
 
 import argparse
+import errno
+import signal
 import sys
 from pathlib import Path
 
 from redumix.pipeline.config import Config, ConfigError, config_to_yaml, load_config
+from redumix.pipeline.lock import RunFolderBusy, run_folder_lock
 from redumix.pipeline.run import RunDir, atomic_write_text, print0, rank
 
 STAGES = ("base", "harvest", "train", "eval", "export", "calibrate", "rounds", "evidence")
@@ -41,19 +44,49 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"redumix: {exc}", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop ends the stage as Ctrl-C does
     try:
         if rank() == 0:
             run.root.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(run.config, config_to_yaml(config))
-        print0(f"redumix {stage}: run folder {run.root}, recipe {config.name}")
-        run_stage(stage, config, run)
+        with run_folder_lock(run.root, stage):
+            if rank() == 0:
+                atomic_write_text(run.config, config_to_yaml(config))
+            print0(f"redumix {stage}: run folder {run.root}, recipe {config.name}")
+            run_stage(stage, config, run)
+    except RunFolderBusy as exc:
+        if rank() == 0:
+            print(f"redumix {stage}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print0(f"\nredumix {stage}: interrupted. Every file already written in {run.root} is kept whole; run the same "
+               "command again to resume where it stopped", file=sys.stderr)
+        return 130
     except PermissionError as exc:
         print(f"redumix {stage}: error: {permission_message(exc, run)}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"redumix {stage}: error: {disk_full_message(exc, run)}", file=sys.stderr)
         return 1
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"redumix {stage}: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def disk_full_message(exc: OSError, run: RunDir) -> str:
+    """A write that found no space, with the path it could not write (a temporary file stands for its target)."""
+    path = Path(exc.filename) if exc.filename else None
+    if path is not None and path.name.startswith(".") and path.name.endswith(".tmp"):
+        path = path.parent
+    where = path or run.root
+    return (f"{where}: no space left on the device; free some space (or pass another --run-dir), then run the same "
+            "command again: the files already written are whole and the stage resumes")
 
 
 def permission_message(exc: PermissionError, run: RunDir) -> str:

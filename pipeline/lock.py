@@ -39,7 +39,7 @@ def run_folder_lock(root: Path, stage: str) -> Iterator[None]:
     if not _all_ranks_agree(taken):
         if ours and taken:
             lock.release()
-        raise RunFolderBusy(_busy_message(Path(root), _read_holder(Path(root) / HOLDER_NAME)) if ours else "")
+        raise RunFolderBusy(_busy_message(Path(root), _wait_for_holder(Path(root) / HOLDER_NAME)) if ours else "")
     try:
         yield
     finally:
@@ -77,6 +77,14 @@ def _all_ranks_agree(taken: bool) -> bool:
     flag = torch.tensor([int(taken)])
     dist.broadcast(flag, src=0)
     return bool(flag.item())
+
+
+def _wait_for_holder(path: Path, seconds: float = 2.0) -> dict | None:
+    """The holder's note, which it writes just after it takes the lock: a refusal can land in between."""
+    deadline = time.time() + seconds
+    while (holder := _read_holder(path)) is None and time.time() < deadline:
+        time.sleep(0.05)
+    return holder
 
 
 def _read_holder(path: Path) -> dict | None:

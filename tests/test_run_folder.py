@@ -141,3 +141,97 @@ def torch_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+SMALL = ["harvest.n=8", "harvest.shard_rows=2", "harvest.batch_size=2", "sampling.max_new_tokens=6",
+         "sampling.temperature=1.0", "redumix.reflection_max_tokens=6", "redumix.topk=8"]
+
+
+def _harvest_command(run_dir, model_dir, *extra):
+    import sys
+
+    return [sys.executable, "-m", "redumix.pipeline.cli", "harvest", "--recipe", str(ROOT / "recipes" / "tiny.yaml"),
+            "--run-dir", str(run_dir), f"model.path={model_dir}", *SMALL, *extra]
+
+
+def _rows(run_dir):
+    from redumix.data.shards import iter_rows, shard_paths
+
+    return [{k: v for k, v in r.items() if k != "meta"} for r in iter_rows(shard_paths(run_dir / "harvest"))]
+
+
+def test_ctrl_c_mid_harvest_prints_one_line_and_the_rerun_ends_with_the_same_rows(tmp_path, tiny_model_dir):
+    import signal
+    import subprocess
+    import time
+
+    from redumix.data.shards import shard_paths
+    from redumix.pipeline.cli import main
+
+    assert main(_harvest_command(tmp_path / "whole", tiny_model_dir)[3:]) == 0
+    run_dir = tmp_path / "stopped"
+    process = subprocess.Popen(_harvest_command(run_dir, tiny_model_dir), cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    while not shard_paths(run_dir / "harvest") and process.poll() is None:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    if process.returncode == 0:
+        pytest.skip("the harvest finished before the signal landed")
+    assert process.returncode == 130
+    assert "Traceback" not in err and "interrupted" in err and "run the same command again to resume" in err
+    assert main(_harvest_command(run_dir, tiny_model_dir)[3:]) == 0
+    assert _rows(run_dir) == _rows(tmp_path / "whole")
+
+
+def test_a_full_disk_names_the_file_it_could_not_write(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    import errno
+    import os
+
+    from redumix.pipeline import run as run_module
+    from redumix.pipeline.cli import main
+
+    real = os.fdopen
+    calls = []
+
+    def full_after_two(fd, *args, **kwargs):
+        handle = real(fd, *args, **kwargs)
+        calls.append(fd)
+        if len(calls) == 4:  # config.yaml, lock note, fingerprint.json, then the harvest's config.yaml
+
+            def write(data):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            handle.write = write
+        return handle
+
+    monkeypatch.setattr(run_module.os, "fdopen", full_after_two)
+    assert main(_harvest_command(tmp_path / "run", tiny_model_dir)[3:]) == 1
+    err = capsys.readouterr().err
+    assert "no space left on the device" in err and str(tmp_path / "run") in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_two_harvests_on_one_folder_never_mix(tmp_path, tiny_model_dir):
+    """Started together with different λ, ten times: one runs and the other is refused with the lock message, or the
+    second starts after the first and is refused as another config. Never shards of both."""
+    import json as json_module
+    import subprocess
+
+    from redumix.data.shards import iter_rows, shard_paths
+
+    for attempt in range(10):
+        run_dir = tmp_path / f"try-{attempt}"
+        processes = [subprocess.Popen(_harvest_command(run_dir, tiny_model_dir, f"redumix.lam={lam}"), cwd=ROOT,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                     for lam in (0.5, 0.7)]
+        results = [(p.wait(timeout=300), p.stderr.read()) for p in processes]
+        codes = sorted(code for code, _ in results)
+        assert codes == [0, 1], results
+        refused = next(err for code, err in results if code == 1)
+        assert "is in use by pid" in refused or "different config" in refused, refused
+        manifest = json_module.loads((run_dir / "harvest" / "manifest.json").read_text())
+        rows = list(iter_rows(shard_paths(run_dir / "harvest")))
+        assert len(rows) == 8 and {round(row["lam"], 4) for row in rows} == {manifest["lam"]}
+        assert {json_module.loads(row["meta"])["fingerprint"] for row in rows} == {manifest["fingerprint"]}
