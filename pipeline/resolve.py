@@ -111,7 +111,10 @@ def _build(cls: type, raw: Any, prefix: str, origin: dict[str, str], errors: lis
     for key in raw:
         if key not in known:
             dotted = prefix + str(key)
-            close = difflib.get_close_matches(str(key), known, n=1)
+            # A key one level down (a recipe written before `task.steps_min` became `task.arith.steps_min`)
+            deeper = [f"{name}.{key}" for name in known if dataclasses.is_dataclass(hints[name])
+                      and key in {f.name for f in dataclasses.fields(hints[name])}]
+            close = deeper or difflib.get_close_matches(str(key), known, n=1)
             hint = f" (did you mean {prefix + close[0]!r}?)" if close else f" (known: {', '.join(known)})"
             errors.append(f"{_where(origin, dotted)}: unknown key {dotted!r}{hint}")
     kwargs = {}

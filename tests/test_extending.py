@@ -10,12 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from redumix.data.arith import arith_problems
 from redumix.data.shards import iter_rows, shard_paths
 from redumix.data.tasks import TASKS, TaskEntry, make_task
 from redumix.pipeline.cli import STAGES, Stage, main
 from redumix.pipeline.config import Config, EvalConfig, load_config
 from redumix.pipeline.decoders import DECODERS, DEFAULT_DECODERS, DecoderEntry, decoder_sections, known_decoders
+from redumix.pipeline.resolve import ConfigError
 from redumix.pipeline.run import RunDir, atomic_write_json
 from tests.test_seams import EchoTask, FirstNumber
 
@@ -109,6 +112,8 @@ def test_an_unknown_task_gets_the_derived_known_message(tmp_path, monkeypatch, c
 
 
 def test_a_task_s_settings_are_its_own_section():
+    with pytest.raises(ConfigError, match=r"unknown key 'task.steps_max' \(did you mean 'task.arith.steps_max'\?\)"):
+        load_config(RECIPE, ["task.steps_max=2"])  # the layout before task sections
     config = load_config(RECIPE, ["task.arith.steps_max=2", "task.gsm8k.path=elsewhere"])
     assert (config.task.arith.steps_min, config.task.arith.steps_max, config.task.gsm8k.path) == (2, 2, "elsewhere")
     task = make_task(config.task, config.seed)
