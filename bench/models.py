@@ -11,9 +11,8 @@ import itertools
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from redumix.data.arith import ArithTask
+from redumix.data.arith import ArithConfig, ArithTask
 from redumix.data.chat import CHAT_TEMPLATE
-from redumix.data.task import TaskConfig
 from redumix.pipeline.base import build_model, episode_texts, train_tokenizer
 from redumix.pipeline.config import BaseConfig
 
@@ -22,7 +21,7 @@ SHAPE = BaseConfig()
 
 def embedded_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
     base = BaseConfig()
-    episodes = itertools.islice(ArithTask(TaskConfig(), seed).training_episodes(base.corpus_spec()), 3000)
+    episodes = itertools.islice(ArithTask(ArithConfig(), seed).training_episodes(base.corpus_spec()), 3000)
     return train_tokenizer(episode_texts(list(episodes)) + [CHAT_TEMPLATE], base.vocab_size)
 
 

@@ -41,7 +41,7 @@ from redumix.data.prompts import (
     redo_messages,
     refine_messages,
 )
-from redumix.data.task import Example, Split, TaskConfig
+from redumix.data.task import Example, Split
 
 Op = Literal["+", "-", "*"]
 REFLECT_OPEN = "<|reflect|>"
@@ -59,6 +59,31 @@ _TIMES = ["Then {he} has {n} times as many.", "The pile grows to {n} times its s
 
 
 # --- problems -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ArithConfig:
+    """`task.arith`: how hard the problems are. The defaults are the design's second prototype; recipes/tiny.yaml is
+    easier."""
+
+    steps_min: int = field(default=2, metadata={"help": "Fewest operations in a problem."})
+    steps_max: int = field(default=4, metadata={"help": "Most operations in a problem."})
+    start_max: int = field(default=40, metadata={"help": "Largest starting value (smallest is 2)."})
+    operand_max: int = field(default=40, metadata={"help": "Largest operand of + and -."})
+    factor_max: int = field(default=9, metadata={"help": "Largest factor of * (smallest is 2)."})
+    mul_value_max: int = field(default=99, metadata={"help": "* is used only on values up to this."})
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 1 <= self.steps_min <= self.steps_max:
+            problems.append(f"need 1 <= steps_min <= steps_max, got {self.steps_min}, {self.steps_max}")
+        for name in ("start_max", "operand_max", "mul_value_max"):
+            if getattr(self, name) < 2:
+                problems.append(f"{name} must be at least 2, got {getattr(self, name)}")
+        if self.factor_max < 2:
+            problems.append(f"factor_max must be at least 2, got {self.factor_max}")
+        if problems:
+            raise ValueError("; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -116,7 +141,7 @@ def apply(value: int, op: str, operand: int) -> int:
     raise ValueError(f"unknown operation {op!r}")
 
 
-def sample_problem(rng: random.Random, config: TaskConfig) -> Problem:
+def sample_problem(rng: random.Random, config: ArithConfig) -> Problem:
     """One problem: results stay positive, and `*` is used only on values up to mul_value_max."""
     value = rng.randint(2, config.start_max)
     start = value
@@ -137,7 +162,7 @@ def sample_problem(rng: random.Random, config: TaskConfig) -> Problem:
     return Problem(start, tuple(steps), name, pronoun, rng.choice(_ITEMS), phrasing)
 
 
-def problems_in_buckets(config: TaskConfig, buckets: set[int], stream: str, seed: int) -> Iterator[Problem]:
+def problems_in_buckets(config: ArithConfig, buckets: set[int], stream: str, seed: int) -> Iterator[Problem]:
     """An endless, seeded stream of distinct problems whose canonical form hashes into `buckets`."""
     rng = random.Random(f"arith:{stream}:{seed}")  # str seeds hash with SHA-512: stable across processes
     seen: set[str] = set()
@@ -153,21 +178,21 @@ def problems_in_buckets(config: TaskConfig, buckets: set[int], stream: str, seed
         if misses > 100_000:
             raise ValueError(
                 f"arith: found no new {stream!r} problem in 100000 draws after {len(seen)}; the difficulty "
-                "settings (task.steps_*, start_max, operand_max, factor_max) allow too few distinct problems"
+                "settings (task.arith: steps_*, start_max, operand_max, factor_max) allow too few distinct problems"
             )
 
 
-def arith_problems(config: TaskConfig, split: Split, n: int, seed: int) -> list[Problem]:
+def arith_problems(config: ArithConfig, split: Split, n: int, seed: int) -> list[Problem]:
     if split not in SPLIT_BUCKET:
         raise ValueError(f"arith has splits 'train' and 'test', not {split!r}")
     stream = problems_in_buckets(config, {SPLIT_BUCKET[split]}, split, seed)
     return [next(stream) for _ in range(n)]
 
 
-def arith_examples(config: TaskConfig, split: Split, n: int, seed: int) -> list[Example]:
+def arith_examples(config: ArithConfig, split: Split, n: int, seed: int, prompt_suffix: str = "") -> list[Example]:
     """The first n problems of a split, ids `arith-{split}-{index:06d}`; a larger n extends the same list."""
     return [
-        Example(id=f"arith-{split}-{i:06d}", task="arith", prompt=p.text() + config.prompt_suffix,
+        Example(id=f"arith-{split}-{i:06d}", task="arith", prompt=p.text() + prompt_suffix,
                 reference=str(p.answer))
         for i, p in enumerate(arith_problems(config, split, n, seed))
     ]
@@ -448,7 +473,7 @@ EPISODES = {
 }
 
 
-def corpus_episodes(config: TaskConfig, spec: CorpusSpec, seed: int) -> Iterator[Episode]:
+def corpus_episodes(config: ArithConfig, spec: CorpusSpec, seed: int) -> Iterator[Episode]:
     """An endless, seeded stream of base training episodes on problems outside the test and train buckets."""
     unknown = set(spec.weights) - set(EPISODES)
     if unknown:
@@ -469,14 +494,15 @@ class ArithTask:
 
     name = "arith"
 
-    def __init__(self, config: TaskConfig, seed: int) -> None:
+    def __init__(self, config: ArithConfig, seed: int, prompt_suffix: str = "") -> None:
         self.config = config
         self.seed = seed
+        self.prompt_suffix = prompt_suffix
 
     def examples(self, split: Split, n: int | None) -> list[Example]:
         if n is None:
             raise ValueError("task 'arith' is generated: set how many examples (harvest.n / eval.n)")
-        return arith_examples(self.config, split, n, self.seed)
+        return arith_examples(self.config, split, n, self.seed, self.prompt_suffix)
 
     def solutions(self, split: Split, n: int) -> dict[str, str]:
         """The terse solution with no slip: what the base's training text teaches for a first attempt."""

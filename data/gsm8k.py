@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from redumix.data import grading
 from redumix.data.grading import as_number, extract_answer
 from redumix.data.jsonl import jsonl_objects
-from redumix.data.task import Example, Split, TaskConfig
+from redumix.data.task import Example, Split
+
+
+@dataclass
+class Gsm8kConfig:
+    """`task.gsm8k`: where the problems are read from."""
+
+    path: str = field(
+        default="../shared/data/gsm8k",
+        metadata={"help": "Folder holding train.jsonl and test.jsonl (question/answer lines)."},
+    )
 
 
 def gold_answer(answer: str) -> str:
@@ -17,7 +28,9 @@ def gold_answer(answer: str) -> str:
 
 def load_gsm8k(path: Path, prompt_suffix: str = "") -> list[Example]:
     if not path.is_file():
-        raise FileNotFoundError(f"GSM8K file not found: {path} (set task.path to the folder holding {path.name})")
+        raise FileNotFoundError(
+            f"GSM8K file not found: {path} (set task.gsm8k.path to the folder holding {path.name})"
+        )
     examples = []
     for line_no, row in jsonl_objects(path):
         where = f"{path}:{line_no}"
@@ -42,7 +55,7 @@ def load_gsm8k(path: Path, prompt_suffix: str = "") -> list[Example]:
             )
         )
     if not examples:
-        raise ValueError(f"{path}: no examples (the file holds no JSON lines); set task.path to a folder whose "
+        raise ValueError(f"{path}: no examples (the file holds no JSON lines); set task.gsm8k.path to a folder whose "
                          f"{path.name} has one 'question'/'answer' object a line")
     return examples
 
@@ -50,13 +63,14 @@ def load_gsm8k(path: Path, prompt_suffix: str = "") -> list[Example]:
 class Gsm8kTask:
     name = "gsm8k"
 
-    def __init__(self, config: TaskConfig) -> None:
-        self.config = config
+    def __init__(self, config: Gsm8kConfig, seed: int = 0, prompt_suffix: str = "") -> None:
+        self.config = config  # the seed is not used: the problems are the files'
+        self.prompt_suffix = prompt_suffix
         self._splits: dict[str, list[Example]] = {}  # read once per split
 
     def examples(self, split: Split, n: int | None) -> list[Example]:
         if split not in self._splits:
-            self._splits[split] = load_gsm8k(Path(self.config.path) / f"{split}.jsonl", self.config.prompt_suffix)
+            self._splits[split] = load_gsm8k(Path(self.config.path) / f"{split}.jsonl", self.prompt_suffix)
         examples = self._splits[split]
         return examples if n is None else examples[:n]
 

@@ -1,16 +1,73 @@
-"""The one place that picks a task by name. A new task is a class in its own module and one line here."""
+"""The tasks by name. A new task is a class in its own module of data/ (with its settings dataclass, if it has any)
+and one line in `TASKS`.
+
+The `task` config section is composed here: `task.name` picks the task, `task.prompt_suffix` applies to every task,
+and each task with settings has its own section under its name (`task.arith.steps_max`, `task.gsm8k.path`). The
+choices of `task.name` and its "known:" message are read from the table.
+"""
 
 from __future__ import annotations
 
-from redumix.data.arith import ArithTask
-from redumix.data.gsm8k import Gsm8kTask
-from redumix.data.task import Task, TaskConfig
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from redumix.data.arith import ArithConfig, ArithTask
+from redumix.data.gsm8k import Gsm8kConfig, Gsm8kTask
+from redumix.data.task import Task
+
+
+@dataclass(frozen=True)
+class TaskEntry:
+    settings: type | None  # the dataclass of its section `task.<name>`, or None when it has no settings
+    make: Callable[[Any, int, str], Task]  # (its settings or None, seed, prompt_suffix) -> the task
+    help: str
+
+
+TASKS: dict[str, TaskEntry] = {
+    "arith": TaskEntry(ArithConfig, ArithTask, "generated multi-step arithmetic word problems (data/arith.py)"),
+    "gsm8k": TaskEntry(Gsm8kConfig, Gsm8kTask, "grade-school math word problems from JSON Lines (data/gsm8k.py)"),
+}
+
+
+def _check_name(config: Any) -> None:
+    if config.name not in TASKS:
+        raise ValueError(f"unknown task name {config.name!r} (known: {', '.join(TASKS)})")
+
+
+TaskConfig = dataclasses.make_dataclass(
+    "TaskConfig",
+    [
+        ("name", str, field(default="arith", metadata={"help": "Task to harvest and evaluate: " + "; ".join(
+            f"{name}: {entry.help}" for name, entry in TASKS.items())})),
+        ("prompt_suffix", str, field(default="", metadata={
+            "help": "Text appended to every question, e.g. an answer-format instruction for a real model."})),
+        *[(name, entry.settings, field(default_factory=entry.settings, metadata={"help": f"{name}'s settings"}))
+          for name, entry in TASKS.items() if entry.settings is not None],
+    ],
+    namespace={"__post_init__": _check_name},  # the name is checked against the table when it is read
+)
+TaskConfig.__module__ = __name__
 
 
 def make_task(config: TaskConfig, seed: int) -> Task:
     """The task of `config`. `seed` picks generated problems (arith); a task read from files ignores it."""
-    if config.name == "arith":
-        return ArithTask(config, seed)
-    if config.name == "gsm8k":
-        return Gsm8kTask(config)
-    raise ValueError(f"task.name: unknown task {config.name!r} (known: arith, gsm8k)")
+    _check_name(config)
+    entry = TASKS[config.name]
+    settings = getattr(config, config.name) if entry.settings is not None else None
+    return entry.make(settings, seed, config.prompt_suffix)
+
+
+def flat_settings(config: TaskConfig) -> dict[str, Any]:
+    """The task settings as one flat mapping: name, gsm8k's path, prompt_suffix, then arith's fields.
+
+    That is the layout of the one flat TaskConfig that held every task's settings before each task had its own
+    section. The base's build_config.yaml and the harvest and eval fingerprints are made from it, so a shipped base
+    and the records written before still match. A task added since joins with its own section, under its name.
+    """
+    flat = {"name": config.name, "path": config.gsm8k.path, "prompt_suffix": config.prompt_suffix,
+            **dataclasses.asdict(config.arith)}
+    later = {name: dataclasses.asdict(getattr(config, name)) for name, entry in TASKS.items()
+             if entry.settings is not None and name not in ("arith", "gsm8k")}
+    return {**flat, **later}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -23,23 +25,50 @@ def pick_device(device: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
+@dataclass
+class ModelConfig:
+    """`model`: which model the stages load, and how."""
+
+    path: str = field(
+        default="base",
+        metadata={"help": "'base' is the embedded default built by `redumix base` in RUN_DIR/base; "
+                  "otherwise a local Hugging Face model folder."},
+    )
+    trust_remote_code: bool = field(default=False, metadata={"help": "Run model code shipped with the checkpoint."})
+    dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata={"help": "Weights dtype."})
+    device: str = field(default="auto", metadata={"help": "'auto' picks cuda:LOCAL_RANK when available, else cpu."})
+    compile_decoding: bool = field(
+        default=False,
+        metadata={"help": "Run each one-token decode step through torch.compile (harvest, eval, calibrate): "
+                  "about 2x faster a step for a small model on a CPU, after a one-off compile of 15-60 s a process "
+                  "(for a 30-layer model 1-5 minutes, and on a CPU its compiled step is slower than the eager one)."},
+    )
+
+
 def load_model(
-    path: str | Path,
-    dtype: str = "float32",
-    device: str = "auto",
-    trust_remote_code: bool = False,
-    compile_decoding: bool = False,
+    path: str | Path, settings: ModelConfig | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Model in eval mode plus its tokenizer (left padding, a pad token). Raises FileNotFoundError if missing.
-    With `compile_decoding`, its one-token decode steps run compiled (`state.use_compiled_decoding`)."""
-    path = Path(path)
-    tokenizer = load_tokenizer(path, trust_remote_code)
+    """The model in `path`, ready to decode, plus its tokenizer (left padding, a pad token). Raises
+    FileNotFoundError if missing. `path` is the folder the stage resolved (`settings.path` may say 'base', and a
+    stage also loads its own checkpoints); `settings` says how: dtype, device, trusted code, and with
+    `compile_decoding` its one-token decode steps run compiled (`state.use_compiled_decoding`)."""
+    path, settings = Path(path), settings or ModelConfig()
+    tokenizer = load_tokenizer(path, settings.trust_remote_code)
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
-    model.to(pick_device(device)).eval()
-    if compile_decoding:
+    model = load_weights(path, settings)
+    model.to(pick_device(settings.device)).eval()
+    if settings.compile_decoding:
         use_compiled_decoding(model)
     return model, tokenizer
+
+
+def load_weights(path: str | Path, settings: ModelConfig | None = None) -> PreTrainedModel:
+    """The bare model as stored, on the CPU, in `settings.dtype`: no tokenizer, no device, no decoding set-up.
+    What training, merging and scoring start from; the caller places it (a trainer moves it itself)."""
+    settings = settings or ModelConfig()
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=DTYPES[settings.dtype], trust_remote_code=settings.trust_remote_code
+    )
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:

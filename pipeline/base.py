@@ -50,7 +50,7 @@ from redumix.data.arith import LINE, REFLECT_CLOSE, REFLECT_OPEN, Episode, apply
 from redumix.data.chat import ASSISTANT, CHAT_TEMPLATE, END, PAD, SPECIAL_TOKENS, SYSTEM, USER
 from redumix.data.prompts import Message, attempt_messages, critique_messages, redo_messages, reflect_messages
 from redumix.data.task import Example, Task
-from redumix.data.tasks import make_task
+from redumix.data.tasks import flat_settings, make_task
 from redumix.pipeline.config import BaseConfig, Config
 from redumix.pipeline.run import (
     RunDir,
@@ -458,7 +458,7 @@ _NOT_DECISIVE = ("threads", "checkpoint_steps", "eval_batch_size", "shipped")
 def build_settings(config: Config) -> str:
     """What decides the built base (its `build_config.yaml`): a build is resumed or reused only when these match."""
     base = {k: v for k, v in asdict(config.base).items() if k not in _NOT_DECISIVE}
-    return yaml.safe_dump({"seed": config.seed, "base": base, "task": asdict(config.task)}, sort_keys=False)
+    return yaml.safe_dump({"seed": config.seed, "base": base, "task": flat_settings(config.task)}, sort_keys=False)
 
 
 def shipped_base(config: Config) -> Path | None:

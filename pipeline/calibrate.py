@@ -34,8 +34,7 @@ from redumix.pipeline.run import RunDir, log_metrics, model_path, print0
 
 def run_calibrate(config: Config, run: RunDir) -> None:
     ensure_base(config, run)
-    model, tokenizer = load_model(model_path(config.model.path, run), config.model.dtype, config.model.device,
-                                  config.model.trust_remote_code, config.model.compile_decoding)
+    model, tokenizer = load_model(model_path(config.model.path, run), config.model)
     # Another seed than the harvest's, so the calibration problems are not the ones the harvest trains on.
     task = make_task(config.task, config.seed + 1)
     examples = task.examples("train", config.eval.n_other)

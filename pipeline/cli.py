@@ -1,30 +1,50 @@
 """`redumix STAGE --recipe PATH [--run-dir DIR] [key.sub=value ...]`
 
-Stages: base (build the embedded default model), harvest, train, eval, export (DPO pairs from the shards),
-calibrate (the reflective gate's thresholds), rounds (harvest -> train -> eval again from each round's model),
-evidence (the controls and ablations of the distillation claim).
+The stages are the `STAGES` table below; `redumix --help` lists them. A new stage is a module with a
+`run_<stage>(config, run)` function and one line there (and the Makefile's STAGES list, which a test compares).
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from redumix.pipeline.config import Config, ConfigError, config_to_yaml, load_config
+from redumix.pipeline.config import Config, load_config
 from redumix.pipeline.lock import RunFolderBusy, run_folder_lock
+from redumix.pipeline.resolve import ConfigError, config_to_yaml
 from redumix.pipeline.run import RunDir, atomic_write_text, print0, rank
 
-STAGES = ("base", "harvest", "train", "eval", "export", "calibrate", "rounds", "evidence")
+
+@dataclass(frozen=True)
+class Stage:
+    module: str  # imported only when the stage runs, so that `redumix base` does not pay for TRL and DeepSpeed
+    function: str  # its `(config, run)` entry point in that module
+    help: str
+
+
+STAGES: dict[str, Stage] = {
+    "base": Stage("redumix.pipeline.base", "run_base", "build the embedded default model"),
+    "harvest": Stage("redumix.pipeline.harvest", "run_harvest", "ReDuMix redos with p_mix into Arrow shards"),
+    "train": Stage("redumix.pipeline.train", "run_train", "distil the stored p_mix into the model"),
+    "eval": Stage("redumix.pipeline.eval", "run_eval", "every decoder on the base and tuned checkpoints"),
+    "export": Stage("redumix.pipeline.export", "run_export", "DPO pairs from the harvest's shards"),
+    "calibrate": Stage("redumix.pipeline.calibrate", "run_calibrate", "pick the reflective gate and stop rule"),
+    "rounds": Stage("redumix.pipeline.rounds", "run_rounds", "harvest -> train -> eval again from each round's model"),
+    "evidence": Stage("redumix.pipeline.evidence", "run_evidence", "controls and ablations of the distillation claim"),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    stages = "\n".join(f"  {name:<10} {stage.help}" for name, stage in STAGES.items())
     parser = argparse.ArgumentParser(
-        prog="redumix", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+        prog="redumix", description=__doc__, epilog=f"stages:\n{stages}", formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("stage", choices=STAGES)
+    parser.add_argument("stage", choices=STAGES, metavar="STAGE", help="one of the stages listed below")
     parser.add_argument("--recipe", default="recipes/tiny.yaml", help="YAML recipe (default: recipes/tiny.yaml)")
     parser.add_argument("--run-dir", default=None, help="run folder (default: runs/<recipe name>)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied after the recipe")
@@ -99,39 +119,8 @@ def permission_message(exc: PermissionError, run: RunDir) -> str:
 
 
 def run_stage(stage: str, config: Config, run: RunDir) -> None:
-    # Imports are per stage so that `redumix base` does not pay for TRL and DeepSpeed.
-    if stage == "base":
-        from redumix.pipeline.base import run_base
-
-        run_base(config, run)
-    elif stage == "harvest":
-        from redumix.pipeline.harvest import run_harvest
-
-        run_harvest(config, run)
-    elif stage == "train":
-        from redumix.pipeline.train import run_train
-
-        run_train(config, run)
-    elif stage == "eval":
-        from redumix.pipeline.eval import run_eval
-
-        run_eval(config, run)
-    elif stage == "export":
-        from redumix.pipeline.export import run_export
-
-        run_export(config, run)
-    elif stage == "calibrate":
-        from redumix.pipeline.calibrate import run_calibrate
-
-        run_calibrate(config, run)
-    elif stage == "rounds":
-        from redumix.pipeline.rounds import run_rounds
-
-        run_rounds(config, run)
-    elif stage == "evidence":
-        from redumix.pipeline.evidence import run_evidence
-
-        run_evidence(config, run)
+    entry = STAGES[stage]
+    getattr(importlib.import_module(entry.module), entry.function)(config, run)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,12 @@
 """`redumix eval`: rerun the decoders on the base and tuned checkpoints over held-out problems, and report what
 each decoder buys (accuracy, with a 95% Wilson interval) and what it costs (tokens, FPE, wall time).
 
-Decoders, by name in `eval.decoders` (the `DECODERS` table below maps each name to one call):
-  greedy, sample                     plain decoding (sample uses eval.sample_temperature)
-  longhand                           greedy, asked to work the long way (visible long-hand CoT)
-  vote[@N]                           self-consistency: N sampled answers (pdr.drafts, pdr.draft_temperature), majority
-  cntp                               Cautious Next Token Prediction: where entropy is high, sample trials up to the
-                                     next punctuation and keep the lowest-perplexity one (visible steps greedy)
-  redumix-oracle[@λ], redumix-self   ReDuMix with verifier feedback (it knows the answer, hence "oracle") or the
-                                     model's own critique; `@λ` overrides redumix.lam, for the λ sweep
-  moi                                Mixture of Inputs
-  pdr, sr                            Parallel-Distill-Refine; sr is the same with one draft
-  reflective[-periodic|-random|-fixed]  hidden-KV Reflective Decoding and its ablations, matched to the gated
-                                     run's hidden budget (the gated run goes first)
+Decoders, by name in `eval.decoders`: the `DECODERS` table of pipeline/decoders.py, one line a decoder (greedy,
+sample, longhand, ReDuMix with verifier or self feedback and `@λ`, MoI, CNTP, vote@N, PDR, SR, Reflective Decoding
+and its matched ablations, which follow the gated `reflective` run).
 
 A decoder or a task defined elsewhere (a test, a notebook) goes in through `run_eval(config, run, task=...,
-decoders={**DECODERS, "name": factory})`, with no edit here.
+decoders={**DECODERS, "name": DecoderEntry(...)})`, with no edit here.
 
 Resume: each (checkpoint, decoder) keeps its per-example records in `eval/generations/` (pipeline/records.py),
 rewritten atomically after every batch. A rerun skips the examples already scored. `report.json` is written last.
@@ -26,24 +17,18 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 from redumix.data.task import Task
-from redumix.data.tasks import make_task
-from redumix.generate.cntp import CntpDecoder
-from redumix.generate.decoder import Decoder, fingerprint
+from redumix.data.tasks import flat_settings, make_task
+from redumix.generate.decoder import fingerprint
 from redumix.generate.model_io import load_model
-from redumix.generate.moi import MoiDecoder
-from redumix.generate.pdr import PdrDecoder
-from redumix.generate.plain import PlainDecoder
-from redumix.generate.redumix import RedumixDecoder
-from redumix.generate.reflective import ReflectiveDecoder
-from redumix.generate.reflective_tuning import matched_ablations
 from redumix.pipeline.base import ensure_base
-from redumix.pipeline.config import Config, config_to_yaml
+from redumix.pipeline.config import Config
+from redumix.pipeline.decoders import DECODERS, DecoderEntry, check_decoder_names, make_decoder
 from redumix.pipeline.records import make_record, model_identity, read_records, records_path, score_resumable
 from redumix.pipeline.report import plot_accuracy_vs_fpe, reflection_diagnostics, report_markdown, summarize
+from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.run import (
     RunDir,
     atomic_write_bytes,
@@ -60,93 +45,11 @@ from redumix.pipeline.run import (
     world_size,
 )
 
-# (config, the decoder's name as listed, records of the decoders already run on this checkpoint) -> decoder
-DecoderFactory = Callable[[Config, str, dict[str, list[dict]]], Decoder]
-
-
-# --- decoders by name -----------------------------------------------------------------------------------------------
-
-
-def _redumix(feedback: str) -> DecoderFactory:
-    def make(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decoder:
-        settings = dataclasses.replace(config.redumix, feedback=feedback)
-        _, at, lam = name.partition("@")
-        if at:
-            try:
-                settings = dataclasses.replace(settings, lam=float(lam))
-            except ValueError as exc:
-                raise ValueError(f"eval.decoders: {name!r}: λ must be a number in [0, 1] ({exc})") from exc
-        return RedumixDecoder(name, settings, config.sampling, config.seed)
-
-    return make
-
-
-def _vote(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decoder:
-    """Self-consistency at PDR's N and draft temperature: PDR with no refine round is exactly a majority vote."""
-    _, at, count = name.partition("@")
-    drafts = config.pdr.drafts
-    if at:
-        if not count.isdigit() or int(count) < 1:
-            raise ValueError(f"eval.decoders: {name!r}: N must be a whole number >= 1")
-        drafts = int(count)
-    return PdrDecoder(name, dataclasses.replace(config.pdr, drafts=drafts, rounds=0), config.sampling, config.seed)
-
-
-def _matched(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decoder:
-    """An ablation of the gated reflective run, matched to its hidden budget."""
-    gated = earlier.get("reflective")
-    if not gated:
-        raise ValueError(f"eval.decoders: {name!r} is matched to 'reflective', so list 'reflective' before it")
-    visible = sum(r["extra"]["visible_tokens"] for r in gated)
-    reflections = sum(r["extra"]["n_reflections"] for r in gated)
-    hidden = sum(r["extra"]["hidden_tokens"] for r in gated)
-    points = sum(r["extra"]["trigger_points"] for r in gated)  # where a trigger could fire (trigger_after)
-    settings = matched_ablations(config.reflective, visible, reflections, hidden, points)[name]
-    return ReflectiveDecoder(name, settings, config.sampling, config.seed)
-
-
-DECODERS: dict[str, DecoderFactory] = {
-    "greedy": lambda c, name, _: PlainDecoder(name, dataclasses.replace(c.sampling, temperature=0.0), c.seed),
-    "sample": lambda c, name, _: PlainDecoder(
-        name, dataclasses.replace(c.sampling, temperature=c.eval.sample_temperature), c.seed
-    ),
-    "redumix-oracle": _redumix("verifier"),
-    "redumix-self": _redumix("self"),
-    "longhand": lambda c, name, _: PlainDecoder(
-        name, dataclasses.replace(c.sampling, temperature=0.0), c.seed, longhand=True
-    ),
-    "vote": _vote,
-    "cntp": lambda c, name, _: CntpDecoder(name, c.cntp, dataclasses.replace(c.sampling, temperature=0.0), c.seed),
-    "moi": lambda c, name, _: MoiDecoder(name, c.moi, c.sampling, c.seed),
-    "pdr": lambda c, name, _: PdrDecoder(name, c.pdr, c.sampling, c.seed),
-    "sr": lambda c, name, _: PdrDecoder(name, dataclasses.replace(c.pdr, drafts=1), c.sampling, c.seed),
-    "reflective": lambda c, name, _: ReflectiveDecoder(name, c.reflective, c.sampling, c.seed),
-    "reflective-periodic": _matched,
-    "reflective-random": _matched,
-    "reflective-fixed": _matched,
-}
-SUFFIXES = {"redumix-oracle": "@λ", "redumix-self": "@λ", "vote": "@N"}  # the only names that take a suffix
-
-
-def check_decoder_names(names: list[str], table: dict[str, DecoderFactory]) -> None:
-    """Every listed name must be in the table before any model loads; all problems are reported at once."""
-    problems = []
-    for name in names:
-        family, at, _ = name.partition("@")
-        if family not in table:
-            problems.append(f"unknown decoder {name!r} (known: {', '.join(table)}, redumix-oracle@λ, vote@N)")
-        elif at and family not in SUFFIXES:
-            takes = ", ".join(f"{k}{v}" for k, v in SUFFIXES.items())
-            problems.append(f"decoder {name!r}: only these take an @ suffix: {takes}")
-    if problems:
-        raise ValueError("eval.decoders: " + "; ".join(problems))
-
-
 # --- the stage ----------------------------------------------------------------------------------------------------
 
 
 def run_eval(
-    config: Config, run: RunDir, task: Task | None = None, decoders: dict[str, DecoderFactory] = DECODERS
+    config: Config, run: RunDir, task: Task | None = None, decoders: dict[str, DecoderEntry] = DECODERS
 ) -> None:
     task = task or make_task(config.task, config.seed)
     check_decoder_names(config.eval.decoders, decoders)
@@ -198,16 +101,15 @@ def available_checkpoints(config: Config, run: RunDir) -> dict[str, Path]:
 
 
 def evaluate_checkpoint(
-    config: Config, run: RunDir, task: Task, decoders: dict[str, DecoderFactory], checkpoint: str, path: Path
+    config: Config, run: RunDir, task: Task, decoders: dict[str, DecoderEntry], checkpoint: str, path: Path
 ) -> dict[str, list[dict]]:
     """Every listed decoder on one checkpoint, in order; a decoder may be built from the records before it."""
-    model, tokenizer = load_model(path, config.model.dtype, config.model.device, config.model.trust_remote_code,
-                                  config.model.compile_decoding)
+    model, tokenizer = load_model(path, config.model)
     model_id = model_identity(path)
     examples = task.examples(config.eval.split, max(config.eval.n, config.eval.n_other))
     results: dict[str, list[dict]] = {}
     for name in decoders_for(config, checkpoint):
-        decoder = decoders[name.partition("@")[0]](config, name, results)
+        decoder = make_decoder(config, name, results, decoders)
         identity = f"{model_id}:{fingerprint(decoder)}:{task_fingerprint(config, task)}"
         count = config.eval.n if name == "greedy" else config.eval.n_other
         path = records_path(run.eval / "generations", checkpoint, name)
@@ -266,7 +168,7 @@ def decoders_for(config: Config, checkpoint: str) -> list[str]:
 
 def task_fingerprint(config: Config, task: Task) -> str:
     """Which task and which problems: a record made for another task or seed is not reused."""
-    decisive = {"task": task.name, "settings": dataclasses.asdict(config.task), "seed": config.seed}
+    decisive = {"task": task.name, "settings": flat_settings(config.task), "seed": config.seed}
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -276,6 +178,7 @@ def eval_fingerprint(config: Config, task: Task, checkpoints: dict[str, Path]) -
     A setting that changes no record costs only a rebuild of the report from the stored records.
     """
     settings = {k: v for k, v in dataclasses.asdict(config).items() if k != "name"}
+    settings["task"] = flat_settings(config.task)  # the layout reports were fingerprinted with before task sections
     models = {k: model_identity(v) for k, v in checkpoints.items()}
     decisive = {"config": settings, "task": task.name, "models": models}
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,17 +1,10 @@
 """`redumix evidence`: is the mixture a better target than the alternatives, and where does the gain come from?
 
 Every arm trains the same number of steps, on the same harvested problems, from the same base, then is measured the
-same way. The arms (`evidence.main_arms` train with every seed of `evidence.seeds`, `evidence.other_arms` with the
-first):
-  mixture          the stored p_mix at the recipe's λ (0.5), verifier feedback: the product's own target
-  lambda0          p_mix at λ=0, the reflective context alone (a harvest of its own)
-  redo             SFT: the λ-mixture redo text as hard labels
-  gold             SFT: the task's reference working (a control: what a perfect teacher gives)
-  original         SFT: the model's own first attempts (a control: what any fine-tune on this data gives)
-  feedback-self    p_mix from a harvest whose feedback is the model's own critique
-  feedback-none    ... with no feedback at all (reflect only)
-  feedback-random  ... with a coin-flip verdict, wrong half the time
-  on-policy        train.policy on_policy: student samples, the teacher's p_mix computed live
+same way. The arms are the table in pipeline/evidence_arms.py: the mixture arm (the stored p_mix at the recipe's λ,
+verifier feedback: the product's own target), p_mix at λ=0, SFT on the redo, on gold and on the model's own attempts
+(controls), p_mix from harvests with other feedback, and on-policy training. `evidence.main_arms` train with every
+seed of `evidence.seeds`, `evidence.other_arms` with the first.
 
 Measured per arm: greedy accuracy on `evidence.n` test problems; greedy accuracy on a task variant no arm trains on
 (numbers up to `evidence.variant_number_max`, larger than the recipe's); KL(tuned ‖ base) per token on the tuned
@@ -37,36 +30,17 @@ from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages
 from redumix.generate.model_io import load_model
 from redumix.pipeline.base import ensure_base
-from redumix.pipeline.config import Config, config_to_yaml
+from redumix.pipeline.config import Config
 from redumix.pipeline.eval import run_eval
+from redumix.pipeline.evidence_arms import ARMS, HARVESTS
 from redumix.pipeline.harvest import run_harvest
 from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.report import mcnemar_exact_p, wilson_interval
+from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.run import RunDir, atomic_write_json, atomic_write_text, model_path, print0, read_json
 from redumix.pipeline.train import run_train
 from redumix.train.data import end_of_turn_ids
 from redumix.train.onpolicy import context_logits
-
-# arm -> (which harvest it learns from, its train settings). Harvest kinds: the recipe's own ("verifier"), or one
-# setting changed.
-ARMS: dict[str, tuple[str, dict[str, Any]]] = {
-    "mixture": ("verifier", {}),
-    "lambda0": ("lambda0", {}),
-    "redo": ("verifier", {"target": "redo"}),
-    "gold": ("verifier", {"target": "gold"}),
-    "original": ("verifier", {"target": "original"}),
-    "feedback-self": ("self", {}),
-    "feedback-none": ("none", {}),
-    "feedback-random": ("random", {}),
-    "on-policy": ("verifier", {"policy": "on_policy"}),
-}
-HARVESTS: dict[str, dict[str, Any]] = {
-    "verifier": {},
-    "lambda0": {"lam": 0.0},
-    "self": {"feedback": "self"},
-    "none": {"feedback": "none"},
-    "random": {"feedback": "random"},
-}
 
 
 def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
@@ -79,7 +53,7 @@ def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
     measure(config, RunDir(folder / "base"), base, checkpoint="base")
     steps = 0  # every arm trains as many steps as the first one did (the mixture arm, seed 0, in the default plan)
     for arm, seed in plan:
-        harvest = harvest_for(config, run, ARMS[arm][0])
+        harvest = harvest_for(config, run, ARMS[arm].harvest)
         here = arm_dir(folder, arm, seed)
         settings = arm_config(config, base, harvest, arm, seed, steps)
         print0(f"evidence: arm {arm}, seed {seed} in {here.root}")
@@ -116,7 +90,7 @@ def harvest_for(config: Config, run: RunDir, kind: str) -> Path:
 
 
 def arm_config(config: Config, base: Path, harvest: Path, arm: str, seed: int, steps: int) -> Config:
-    train = dataclasses.replace(config.train, harvest_dir=str(harvest), seed=seed, **ARMS[arm][1])
+    train = dataclasses.replace(config.train, harvest_dir=str(harvest), seed=seed, **ARMS[arm].train)
     if steps:
         train = dataclasses.replace(train, max_steps=steps)
     return dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(base)), train=train)
@@ -133,9 +107,9 @@ def measure(config: Config, here: RunDir, model: Path, checkpoint: str, base: Pa
     run_eval(dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(model)),
                                  eval=greedy_only), here)
     # The variant runs the model as its "base" checkpoint: model.path is the model measured.
+    arith = dataclasses.replace(config.task.arith, start_max=ev.variant_number_max, operand_max=ev.variant_number_max)
     variant = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(model)),
-                                  task=dataclasses.replace(config.task, start_max=ev.variant_number_max,
-                                                           operand_max=ev.variant_number_max),
+                                  task=dataclasses.replace(config.task, arith=arith),
                                   eval=dataclasses.replace(greedy_only, checkpoints=["base"]))
     run_eval(variant, RunDir(here.root / "variant"))
     if base is not None and not (here.root / "drift.json").is_file():
@@ -151,8 +125,8 @@ def greedy_records(here: RunDir, checkpoint: str) -> list[dict]:
 @torch.no_grad()
 def drift_kl(config: Config, tuned_path: Path, base_path: Path, records: list[dict], batch: int = 16) -> float:
     """Mean per-token KL(tuned ‖ base) over the tuned model's own greedy answers (their end-of-turn included)."""
-    tuned, tokenizer = load_model(tuned_path, config.model.dtype, config.model.device, config.model.trust_remote_code)
-    base, _ = load_model(base_path, config.model.dtype, config.model.device, config.model.trust_remote_code)
+    tuned, tokenizer = load_model(tuned_path, config.model)
+    base, _ = load_model(base_path, config.model)
     end = end_of_turn_ids(tokenizer)
     total, tokens = 0.0, 0
     for start in range(0, len(records), batch):

@@ -13,9 +13,10 @@ from typing import Any
 
 from redumix.data.prompts import attempt_messages
 from redumix.data.shards import load_shards
-from redumix.pipeline.config import Config, config_to_yaml
+from redumix.pipeline.config import Config
 from redumix.pipeline.harvest import check_harvest
 from redumix.pipeline.lineage import changed_inputs, harvest_id
+from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.run import RunDir, atomic_write_json, atomic_write_text, print0, rank, read_json
 
 

@@ -31,11 +31,12 @@ from redumix.data.shards import (
     shard_record,
 )
 from redumix.data.task import Example, Task
-from redumix.data.tasks import make_task
+from redumix.data.tasks import flat_settings, make_task
 from redumix.generate.model_io import load_model, load_tokenizer, stop_token_ids
 from redumix.generate.redumix import FeedbackFn, RedumixResult, redumix_generate, task_feedback
 from redumix.pipeline.base import ensure_base
-from redumix.pipeline.config import Config, config_to_yaml
+from redumix.pipeline.config import Config
+from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.run import (
     RunDir,
     atomic_write_bytes,
@@ -146,8 +147,7 @@ def _shard_problem(path: Path, ids: list[str], fingerprint: str) -> str | None:
 
 def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Example], shards: list[int]) -> None:
     path = model_path(config.model.path, run)
-    model, tokenizer = load_model(path, config.model.dtype, config.model.device, config.model.trust_remote_code,
-                                  config.model.compile_decoding)
+    model, tokenizer = load_model(path, config.model)
     stop_ids = stop_token_ids(model, tokenizer)
     size = config.harvest.shard_rows
     total = sum(len(examples[k * size : (k + 1) * size]) for k in shards)
@@ -245,7 +245,7 @@ def harvest_fingerprint(config: Config, task: Task) -> str:
         # it switched.
         "model": {k: v for k, v in asdict(config.model).items() if k != "compile_decoding"},
         "base": asdict(config.base) if config.model.path == "base" else None,
-        "task": asdict(config.task),
+        "task": flat_settings(config.task),  # the flat layout harvests were fingerprinted with before
         "sampling": asdict(config.sampling),
         "redumix": asdict(config.redumix),
         "harvest": {"n": config.harvest.n, "split": config.harvest.split, "shard_rows": config.harvest.shard_rows,

@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from redumix.pipeline.base import ensure_base
-from redumix.pipeline.config import Config, config_to_yaml
-from redumix.pipeline.eval import DECODERS, check_decoder_names, run_eval
+from redumix.pipeline.config import Config
+from redumix.pipeline.decoders import check_decoder_names
+from redumix.pipeline.eval import run_eval
 from redumix.pipeline.harvest import run_harvest
 from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.report import paired_with_greedy, summarize
+from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.run import RunDir, atomic_write_json, atomic_write_text, model_path, print0, rank, read_json
 from redumix.pipeline.train import run_train
 
@@ -46,7 +48,7 @@ def round_config(config: Config, index: int, start: Path) -> Config:
 
 
 def run_rounds(config: Config, run: RunDir) -> dict[str, Any]:
-    check_decoder_names(config.rounds.decoders, DECODERS)
+    check_decoder_names(config.rounds.decoders)
     ensure_base(config, run)
     start = model_path(config.model.path, run).resolve()
     for index in range(1, config.rounds.count + 1):

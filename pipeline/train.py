@@ -20,15 +20,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase, TrainerCallback
+from transformers import PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from redumix.data.tasks import make_task
-from redumix.generate.model_io import load_tokenizer, stop_token_ids
+from redumix.generate.model_io import load_tokenizer, load_weights, stop_token_ids
 from redumix.generate.policy import SamplingPolicy
-from redumix.pipeline.config import Config, config_to_yaml
+from redumix.pipeline.config import Config
 from redumix.pipeline.harvest import check_harvest
 from redumix.pipeline.lineage import changed_inputs, harvest_id, model_id
+from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.run import (
     RunDir,
     atomic_write_json,
@@ -91,7 +92,7 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
 
     # --- train (resuming from the last checkpoint if there is one) ------------------------------------------------
     checkpoints = run.train / "checkpoints"
-    model = load_model(model_path, config)
+    model = load_weights(model_path, config.model)
     seed = config.seed if tc.seed < 0 else tc.seed
     teacher = live_teacher(config, model_path, model, tokenizer, seed) if on_policy else None
     trainer = build_trainer(
@@ -123,8 +124,8 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
 
     # --- held-out KL(p_mix ‖ model), base against merged ------------------------------------------------------------
     device = train_device(config)
-    kl_base = heldout_kl(load_model(model_path, config).to(device), held_examples, tokenizer.pad_token_id)
-    kl_merged = heldout_kl(load_model(merged, config).to(device), held_examples, tokenizer.pad_token_id)
+    kl_base = heldout_kl(load_weights(model_path, config.model).to(device), held_examples, tokenizer.pad_token_id)
+    kl_merged = heldout_kl(load_weights(merged, config.model).to(device), held_examples, tokenizer.pad_token_id)
     result = {
         "rows": counts,
         "target": tc.target,
@@ -203,7 +204,7 @@ def live_teacher(
     tc = config.train
     frozen = None
     if tc.adapter == "full":
-        frozen = load_model(model_path, config).to(train_device(config)).eval().requires_grad_(False)
+        frozen = load_weights(model_path, config.model).to(train_device(config)).eval().requires_grad_(False)
     policy = SamplingPolicy(temperature=tc.onpolicy_temperature, max_new_tokens=tc.onpolicy_max_new_tokens)
     return LiveMixtureTeacher(frozen, tc.onpolicy_topk, policy, stop_token_ids(student, tokenizer),
                               tokenizer.pad_token_id, tc.max_length, seed)
@@ -242,19 +243,13 @@ def train_device(config: Config) -> str:
     return "cuda" if torch.cuda.is_available() and not use_cpu(config) else "cpu"
 
 
-def load_model(path: Path, config: Config) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=getattr(torch, config.model.dtype), trust_remote_code=config.model.trust_remote_code
-    )
-
-
 def merge_adapter(
     model_path: Path, adapter: Path, out: Path, tokenizer: PreTrainedTokenizerBase, config: Config
 ) -> None:
     """Base + adapter -> a plain HF model folder (no peft needed to load it), written under a temporary name."""
     from peft import PeftModel
 
-    merged = PeftModel.from_pretrained(load_model(model_path, config), str(adapter)).merge_and_unload()
+    merged = PeftModel.from_pretrained(load_weights(model_path, config.model), str(adapter)).merge_and_unload()
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     merged.save_pretrained(str(tmp))

@@ -14,6 +14,7 @@ from redumix.data.arith import (
     REFLECT_CLOSE,
     REFLECT_OPEN,
     SPLIT_BUCKET,
+    ArithConfig,
     CorpusSpec,
     Problem,
     Step,
@@ -33,8 +34,7 @@ from redumix.data.arith import (
 )
 from redumix.data.grading import extract_answer, is_correct
 from redumix.data.prompts import CRITIQUE, LONGHAND, REDO, REFINE, REFLECT
-from redumix.data.task import TaskConfig
-from redumix.data.tasks import make_task
+from redumix.data.tasks import TaskConfig, make_task
 
 WORDS = {"more": "+", "away": "-", "loses": "-", "sells": "-", "times": "*"}
 
@@ -58,23 +58,23 @@ def solve_from_text(prompt: str) -> int:
 
 
 def test_examples_are_seeded_and_prefix_stable():
-    config = TaskConfig()
+    config = ArithConfig()
     a = arith_examples(config, "test", 50, seed=0)
     assert a == arith_examples(config, "test", 50, seed=0)
     assert arith_examples(config, "test", 20, seed=0) == a[:20]
     assert arith_examples(config, "test", 50, seed=1) != a
     assert [e.id for e in a[:2]] == ["arith-test-000000", "arith-test-000001"]
-    assert make_task(config, seed=0).examples("test", 50) == a
+    assert make_task(TaskConfig(arith=config), seed=0).examples("test", 50) == a
 
 
 def test_answers_are_right():
-    for example in arith_examples(TaskConfig(), "train", 300, seed=3):
+    for example in arith_examples(ArithConfig(), "train", 300, seed=3):
         assert example.task == "arith"
         assert int(example.reference) == solve_from_text(example.prompt) > 0
 
 
 def test_splits_are_disjoint_from_each_other_and_from_the_base_corpus():
-    config = TaskConfig()
+    config = ArithConfig()
     keys = {split: {p.key for p in arith_problems(config, split, 400, seed=0)} for split in ("train", "test")}
     assert not keys["train"] & keys["test"]
     assert len(keys["test"]) == 400  # no duplicate inside a split
@@ -86,7 +86,7 @@ def test_splits_are_disjoint_from_each_other_and_from_the_base_corpus():
 
 
 def test_difficulty_settings_are_obeyed():
-    config = TaskConfig(steps_min=3, steps_max=3, start_max=9, operand_max=5, factor_max=3, mul_value_max=20)
+    config = ArithConfig(steps_min=3, steps_max=3, start_max=9, operand_max=5, factor_max=3, mul_value_max=20)
     for problem in arith_problems(config, "train", 200, seed=0):
         assert len(problem.steps) == 3 and 2 <= problem.start <= 9
         values = problem.values()
@@ -99,7 +99,7 @@ def test_difficulty_settings_are_obeyed():
 
 
 def test_too_few_problems_is_a_clear_error():
-    config = TaskConfig(steps_min=1, steps_max=1, start_max=2, operand_max=2, factor_max=2, mul_value_max=2)
+    config = ArithConfig(steps_min=1, steps_max=1, start_max=2, operand_max=2, factor_max=2, mul_value_max=2)
     with pytest.raises(ValueError, match="too few distinct problems"):
         arith_problems(config, "test", 50, seed=0)
 
@@ -152,8 +152,8 @@ def test_reflection_names_the_wrong_line_and_rederives_every_step():
 
 def test_corpus_episodes_use_the_pipeline_turns():
     spec = CorpusSpec(check_span_rate=0.5)
-    episodes = list(itertools.islice(corpus_episodes(TaskConfig(), spec, seed=0), 400))
-    assert episodes == list(itertools.islice(corpus_episodes(TaskConfig(), spec, seed=0), 400))
+    episodes = list(itertools.islice(corpus_episodes(ArithConfig(), spec, seed=0), 400))
+    assert episodes == list(itertools.islice(corpus_episodes(ArithConfig(), spec, seed=0), 400))
     kinds = {e.kind for e in episodes}
     assert kinds == {"solution", "reflection", "critique", "refine", "longhand"}
     for e in episodes:
@@ -185,7 +185,7 @@ def test_corpus_episodes_use_the_pipeline_turns():
 def test_hidden_check_spans_are_placed_after_equals_and_right():
     spec = CorpusSpec(weights={"solution": 1.0}, slip_rate=0.0, check_span_rate=1.0)
     found = 0
-    for episode in itertools.islice(corpus_episodes(TaskConfig(), spec, seed=0), 50):
+    for episode in itertools.islice(corpus_episodes(ArithConfig(), spec, seed=0), 50):
         text = episode.messages[1]["content"]
         spans = re.findall(r"(\d+) ([-+*]) (\d+) = " + re.escape(REFLECT_OPEN) + r"(.*?)" + re.escape(REFLECT_CLOSE)
                            + r"(\d+)", text)
@@ -200,7 +200,7 @@ def test_hidden_check_spans_are_placed_after_equals_and_right():
 def _line_rates(spec: CorpusSpec, seen, n: int = 3000) -> tuple[float, float]:
     """(share of hard lines with the property, share of easy lines with it) over n solution episodes."""
     counts = {True: [0, 0], False: [0, 0]}
-    for episode in itertools.islice(corpus_episodes(TaskConfig(), spec, seed=1), n):
+    for episode in itertools.islice(corpus_episodes(ArithConfig(), spec, seed=1), n):
         for line in episode.messages[1]["content"].splitlines()[:-1]:
             a, op, b = re.match(r"(-?\d+) ([-+*]) (\d+) = ", line).groups()
             hard = is_hard(int(a), op, int(b))

@@ -21,14 +21,15 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from redumix.data.chat import prompt_ids
+from redumix.data.gsm8k import Gsm8kConfig
 from redumix.data.prompts import attempt_messages
 from redumix.data.shards import SCHEMA, iter_rows, read_shard, shard_paths, shard_record
-from redumix.data.task import TaskConfig
-from redumix.data.tasks import make_task
+from redumix.data.tasks import TaskConfig, make_task
 from redumix.generate.model_io import load_model
 from redumix.pipeline.cli import main
-from redumix.pipeline.config import ConfigError, load_config
+from redumix.pipeline.config import load_config
 from redumix.pipeline.harvest import run_harvest
+from redumix.pipeline.resolve import ConfigError
 from redumix.pipeline.run import RunDir
 from redumix.pipeline.train import run_train
 from redumix.train.data import is_heldout
@@ -247,7 +248,7 @@ def test_tokenizer_without_pad_or_eos(tmp_path, arch, message):
 )
 def test_gsm8k_bad_line(tmp_path, capsys, tiny_model_dir, bad_line, message):
     data = gsm8k_dir(tmp_path / "gsm8k", [*GOOD[:2], bad_line, *GOOD[2:]])
-    code, err = harvest_cli(capsys, tmp_path / "run", tiny_model_dir, "task.name=gsm8k", f"task.path={data}")
+    code, err = harvest_cli(capsys, tmp_path / "run", tiny_model_dir, "task.name=gsm8k", f"task.gsm8k.path={data}")
     assert code == 1
     line = one_error(err, "harvest")
     assert str(data / "train.jsonl") in line
@@ -257,25 +258,25 @@ def test_gsm8k_bad_line(tmp_path, capsys, tiny_model_dir, bad_line, message):
 
 def test_gsm8k_empty_prompt_through_the_task(tmp_path):
     data = gsm8k_dir(tmp_path / "gsm8k", [GOOD[0], {"question": "", "answer": "#### 1"}])
-    task = make_task(TaskConfig(name="gsm8k", path=str(data)), seed=0)
+    task = make_task(TaskConfig(name="gsm8k", gsm8k=Gsm8kConfig(path=str(data))), seed=0)
     with pytest.raises(ValueError, match=rf"{data / 'test.jsonl'}:2: 'question' is empty"):
         task.examples("test", None)
 
 
 def test_gsm8k_folder_missing(tmp_path, capsys, tiny_model_dir):
     missing = tmp_path / "no-gsm8k"
-    code, err = harvest_cli(capsys, tmp_path / "run", tiny_model_dir, "task.name=gsm8k", f"task.path={missing}")
+    code, err = harvest_cli(capsys, tmp_path / "run", tiny_model_dir, "task.name=gsm8k", f"task.gsm8k.path={missing}")
     assert code == 1
-    assert f"GSM8K file not found: {missing / 'train.jsonl'} (set task.path" in one_error(err, "harvest")
+    assert f"GSM8K file not found: {missing / 'train.jsonl'} (set task.gsm8k.path" in one_error(err, "harvest")
     assert not (tmp_path / "run" / "harvest").exists()
 
 
 def test_empty_split_harvests_nothing_and_says_so(tmp_path, capsys, tiny_model_dir):
     data = gsm8k_dir(tmp_path / "gsm8k", [])
-    code, err = harvest_cli(capsys, tmp_path / "run", tiny_model_dir, "task.name=gsm8k", f"task.path={data}")
+    code, err = harvest_cli(capsys, tmp_path / "run", tiny_model_dir, "task.name=gsm8k", f"task.gsm8k.path={data}")
     assert code == 1
     line = one_error(err, "harvest")
-    assert f"{data / 'train.jsonl'}: no examples" in line and "set task.path" in line
+    assert f"{data / 'train.jsonl'}: no examples" in line and "set task.gsm8k.path" in line
     assert not (tmp_path / "run" / "harvest").exists()  # no empty "complete" harvest for train to trip on
 
 
@@ -284,7 +285,7 @@ def test_human_feedback_missing_the_harvested_ids(tmp_path, capsys, tiny_model_d
     feedback = tmp_path / "feedback.jsonl"
     feedback.write_text(json.dumps({"id": "gsm8k-train-00000", "feedback": "Check step 2."}) + "\n"
                         + json.dumps({"id": "someone-else-1", "feedback": "?"}) + "\n")
-    code, err = harvest_cli(capsys, tmp_path / "run", tiny_model_dir, "task.name=gsm8k", f"task.path={data}",
+    code, err = harvest_cli(capsys, tmp_path / "run", tiny_model_dir, "task.name=gsm8k", f"task.gsm8k.path={data}",
                             "redumix.feedback=human", f"redumix.feedback_file={feedback}")
     assert code == 1
     line = one_error(err, "harvest")
@@ -298,7 +299,7 @@ def test_human_feedback_duplicate_ids(tmp_path, capsys, tiny_model_dir):
     feedback = tmp_path / "feedback.jsonl"
     ids = [0, 1, 2, 1, 3]
     feedback.write_text("".join(json.dumps({"id": f"gsm8k-train-{i:05d}", "feedback": "Hm."}) + "\n" for i in ids))
-    code, err = harvest_cli(capsys, tmp_path / "run", tiny_model_dir, "task.name=gsm8k", f"task.path={data}",
+    code, err = harvest_cli(capsys, tmp_path / "run", tiny_model_dir, "task.name=gsm8k", f"task.gsm8k.path={data}",
                             "redumix.feedback=human", f"redumix.feedback_file={feedback}")
     assert code == 1
     line = one_error(err, "harvest")

@@ -11,10 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from redumix.data.arith import REFLECT_CLOSE, REFLECT_OPEN, CorpusSpec, corpus_episodes
+from redumix.data.arith import REFLECT_CLOSE, REFLECT_OPEN, ArithConfig, CorpusSpec, corpus_episodes
 from redumix.data.chat import ASSISTANT, END, USER, prompt_ids, template_pieces
 from redumix.data.prompts import critique_messages, redo_messages, refine_messages
-from redumix.data.task import TaskConfig
 from redumix.pipeline.base import (
     base_is_complete,
     build_settings,
@@ -40,7 +39,7 @@ CONVERSATION = redo_messages(
 
 @pytest.fixture(scope="module")
 def episodes():
-    return list(itertools.islice(corpus_episodes(TaskConfig(), CorpusSpec(check_span_rate=0.3), seed=0), 600))
+    return list(itertools.islice(corpus_episodes(ArithConfig(), CorpusSpec(check_span_rate=0.3), seed=0), 600))
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,7 @@ import torch
 
 from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages
-from redumix.data.task import TaskConfig
-from redumix.data.tasks import make_task
+from redumix.data.tasks import TaskConfig, make_task
 from redumix.generate.accounting import ForwardCounter
 from redumix.generate.cntp import (
     CntpConfig,

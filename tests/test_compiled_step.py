@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from redumix.generate.loop import Choice, decode_prompts
-from redumix.generate.model_io import load_model
+from redumix.generate.model_io import ModelConfig, load_model
 from redumix.generate.state import (
     COMPILED_FORWARD,
     SPAN_WINDOW,
@@ -78,7 +78,7 @@ def test_greedy_loop_with_compaction_down_to_one_row_matches_eager(eager_and_com
 
 def test_the_recipe_key_turns_it_on(tiny_model_dir):
     plain, _ = load_model(tiny_model_dir)
-    compiled, _ = load_model(tiny_model_dir, compile_decoding=True)
+    compiled, _ = load_model(tiny_model_dir, ModelConfig(compile_decoding=True))
     assert not hasattr(plain, COMPILED_FORWARD)
     assert hasattr(compiled, COMPILED_FORWARD)
 

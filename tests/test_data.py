@@ -4,7 +4,8 @@ import pytest
 
 from redumix.data.grading import extract_answer, is_correct, verifier_feedback
 from redumix.data.gsm8k import load_gsm8k
-from redumix.pipeline.config import ConfigError, load_config
+from redumix.pipeline.config import load_config
+from redumix.pipeline.resolve import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
@@ -56,7 +57,7 @@ def test_malformed_gsm8k_line_names_file_and_line(tmp_path):
     path.write_text('{"question": "1 + 1?"}\n')
     with pytest.raises(ValueError, match=r"test.jsonl:1: expected an object"):
         load_gsm8k(path)
-    with pytest.raises(FileNotFoundError, match="set task.path"):
+    with pytest.raises(FileNotFoundError, match="set task.gsm8k.path"):
         load_gsm8k(tmp_path / "missing.jsonl")
 
 

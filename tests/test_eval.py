@@ -6,8 +6,9 @@ import pytest
 from redumix.data.tasks import make_task
 from redumix.generate.accounting import ForwardCounter
 from redumix.generate.model_io import load_model
-from redumix.pipeline.config import DEFAULT_DECODERS, load_config
-from redumix.pipeline.eval import DECODERS, check_decoder_names, run_eval
+from redumix.pipeline.config import load_config
+from redumix.pipeline.decoders import DEFAULT_DECODERS, check_decoder_names, make_decoder
+from redumix.pipeline.eval import run_eval
 from redumix.pipeline.report import wilson_interval
 from redumix.pipeline.run import RunDir
 
@@ -46,7 +47,7 @@ def test_reported_fpe_equals_forward_counter_for_every_decoder(decoder, model_di
             {"extra": {"visible_tokens": 6, "n_reflections": 1, "hidden_tokens": 3, "trigger_points": 2}}
             for _ in examples
         ]
-    decode = DECODERS[decoder.partition("@")[0]](config, decoder, earlier)
+    decode = make_decoder(config, decoder, earlier)
     with ForwardCounter(model) as counter:
         outputs = decode(model, tokenizer, examples, task)
     assert len(outputs) == 3
@@ -58,7 +59,7 @@ def test_reported_fpe_equals_forward_counter_for_every_decoder(decoder, model_di
 
 def test_unknown_or_malformed_decoder_names_are_reported_together():
     with pytest.raises(ValueError) as info:
-        check_decoder_names(["greedy", "gredy", "moi@0.5", "redumix-oracle@0.3"], DECODERS)
+        check_decoder_names(["greedy", "gredy", "moi@0.5", "redumix-oracle@0.3"])
     message = str(info.value)
     assert "eval.decoders" in message and "'gredy'" in message and "'moi@0.5'" in message
     assert "redumix-oracle@0.3" not in message
@@ -66,8 +67,8 @@ def test_unknown_or_malformed_decoder_names_are_reported_together():
 
 @pytest.mark.skipif(not GSM8K.is_dir(), reason="shared GSM8K files not present")
 def test_eval_on_real_gsm8k_writes_parseable_reports_and_resumes(tmp_path, model_dir):
-    overrides = [f"model.path={model_dir}", "task.name=gsm8k", f"task.path={GSM8K}", "eval.n=8", "eval.n_other=4",
-                 *SMALL]
+    overrides = [f"model.path={model_dir}", "task.name=gsm8k", f"task.gsm8k.path={GSM8K}", "eval.n=8",
+                 "eval.n_other=4", *SMALL]
     config = load_config(ROOT / "recipes" / "tiny.yaml", overrides)
     run = RunDir(tmp_path)
     run_eval(config, run)

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from redumix.pipeline.config import ConfigError, load_config
+from redumix.pipeline.config import load_config
 from redumix.pipeline.evidence import arm_dir, evidence_markdown, paired_arms, run_evidence
 from redumix.pipeline.records import read_records, records_path
+from redumix.pipeline.resolve import ConfigError
 from redumix.pipeline.run import RunDir
 from tests.test_rounds import SMALL
 
@@ -68,11 +69,14 @@ def test_paired_arms_counts_and_interval() -> None:
     assert same["change"] == same["low"] == same["high"] == 0 and same["mcnemar_p"] == 1.0
 
 
-def test_the_config_knows_every_arm_the_stage_runs() -> None:
-    from redumix.pipeline.config import EVIDENCE_ARMS
-    from redumix.pipeline.evidence import ARMS, HARVESTS
+def test_the_config_checks_and_describes_the_arms_from_the_stage_table() -> None:
+    import dataclasses
 
-    assert list(ARMS) == EVIDENCE_ARMS
-    assert {harvest for harvest, _ in ARMS.values()} == set(HARVESTS)
+    from redumix.pipeline.config import EvidenceConfig
+    from redumix.pipeline.evidence_arms import ARMS, HARVESTS
+
+    assert {arm.harvest for arm in ARMS.values()} <= set(HARVESTS)
+    [main_arms] = [f for f in dataclasses.fields(EvidenceConfig) if f.name == "main_arms"]
+    assert all(f"{name}: {arm.help}" in main_arms.metadata["help"] for name, arm in ARMS.items())
     with pytest.raises(ConfigError, match="unknown arms"):
         load_config(None, ["evidence.other_arms=[mixture, lambda1]"])

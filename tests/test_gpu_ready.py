@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from redumix.data.tasks import make_task
-from redumix.generate.model_io import load_model
+from redumix.generate.model_io import ModelConfig, load_model
 from redumix.pipeline.config import load_config
-from redumix.pipeline.eval import DECODERS
+from redumix.pipeline.decoders import make_decoder
 from redumix.pipeline.run import RunDir
 from redumix.pipeline.train import run_train
 from tests.train_fixtures import write_base, write_harvest
@@ -29,12 +29,12 @@ def test_bf16_weights_decode_with_every_token_level_family(tiny_model_dir):
         f"model.path={tiny_model_dir}", "model.dtype=bfloat16", "sampling.max_new_tokens=5",
         "redumix.reflection_max_tokens=4", "redumix.critique_max_tokens=3", "reflective.trigger_after=[]",
     ])
-    model, tokenizer = load_model(tiny_model_dir, dtype="bfloat16")
+    model, tokenizer = load_model(tiny_model_dir, ModelConfig(dtype="bfloat16"))
     assert next(model.parameters()).dtype == torch.bfloat16
     task = make_task(config.task, config.seed)
     examples = task.examples("test", 2)
     for name in ("greedy", "redumix-oracle", "moi", "reflective"):
-        outputs = DECODERS[name](config, name, {})(model, tokenizer, examples, task)
+        outputs = make_decoder(config, name, {})(model, tokenizer, examples, task)
         assert len(outputs) == 2 and all(o.usage.fpe > 0 and o.token_ids for o in outputs), name
 
 

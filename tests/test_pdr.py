@@ -6,8 +6,7 @@ import pytest
 
 from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages, format_workspace, refine_messages
-from redumix.data.task import TaskConfig
-from redumix.data.tasks import make_task
+from redumix.data.tasks import TaskConfig, make_task
 from redumix.generate.accounting import ForwardCounter
 from redumix.generate.model_io import stop_token_ids
 from redumix.generate.pdr import (

@@ -7,8 +7,8 @@ import torch
 from redumix.data.chat import prompt_ids, template_pieces
 from redumix.data.gsm8k import load_gsm8k
 from redumix.data.prompts import attempt_messages, redo_messages
-from redumix.data.task import Example, TaskConfig
-from redumix.data.tasks import make_task
+from redumix.data.task import Example
+from redumix.data.tasks import TaskConfig, make_task
 from redumix.generate.accounting import ForwardCounter
 from redumix.generate.model_io import stop_token_ids
 from redumix.generate.plain import generate_batch

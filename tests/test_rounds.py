@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from redumix.data.shards import iter_rows, shard_paths
-from redumix.pipeline.config import ConfigError, load_config
+from redumix.pipeline.config import load_config
+from redumix.pipeline.resolve import ConfigError
 from redumix.pipeline.rounds import round_dir, rounds_markdown, run_rounds
 from redumix.pipeline.run import RunDir
 

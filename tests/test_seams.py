@@ -13,7 +13,8 @@ from redumix.data.task import Example
 from redumix.generate.accounting import Usage
 from redumix.generate.decoder import Decoded
 from redumix.pipeline.config import load_config
-from redumix.pipeline.eval import DECODERS, run_eval
+from redumix.pipeline.decoders import DECODERS, DecoderEntry
+from redumix.pipeline.eval import run_eval
 from redumix.pipeline.harvest import run_harvest
 from redumix.pipeline.run import RunDir
 
@@ -47,7 +48,7 @@ def test_a_decoder_from_a_test_file_reaches_the_eval_report(tmp_path, tiny_model
     config = load_config(ROOT / "recipes" / "tiny.yaml", [
         f"model.path={tiny_model_dir}", *SMALL, "eval.n=5", "eval.n_other=7", "eval.decoders=[greedy, first-number]",
     ])
-    decoders = {**DECODERS, "first-number": lambda c, name, earlier: FirstNumber(name)}
+    decoders = {**DECODERS, "first-number": DecoderEntry(None, lambda c, name, earlier: FirstNumber(name), "", "toy")}
     run_eval(config, RunDir(tmp_path), decoders=decoders)
 
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
@@ -61,7 +62,8 @@ def test_a_decoder_from_a_test_file_reaches_the_eval_report(tmp_path, tiny_model
     assert "| first-number |" in (tmp_path / "eval" / "report.md").read_text()
 
     # The decoder's settings are its fingerprint: a changed template invalidates its records, and only its own.
-    decoders["first-number"] = lambda c, name, earlier: FirstNumber(name, template="#### {}")
+    decoders["first-number"] = DecoderEntry(None, lambda c, name, earlier: FirstNumber(name, template="#### {}"), "",
+                                            "toy")
     (tmp_path / "eval" / "report.json").unlink()
     greedy_file = tmp_path / "eval" / "generations" / "base--greedy.jsonl"
     before = greedy_file.stat().st_mtime_ns

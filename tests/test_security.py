@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from redumix.generate.model_io import load_model
+from redumix.generate.model_io import ModelConfig, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "this code ran"
@@ -31,11 +31,11 @@ def _model_that_ships_code(folder: Path, tiny_model_dir: Path) -> Path:
 def test_a_model_folder_that_ships_code_is_refused_without_trust_remote_code(tmp_path, tiny_model_dir):
     folder = _model_that_ships_code(tmp_path / "shipped", tiny_model_dir)
     with pytest.raises(Exception) as refused:
-        load_model(folder, trust_remote_code=False)
+        load_model(folder, ModelConfig(trust_remote_code=False))
     assert MARKER not in str(refused.value)  # the shipped code never ran
     assert "trust_remote_code" in str(refused.value)
     with pytest.raises(RuntimeError, match=MARKER):  # it is only run when the recipe says so
-        load_model(folder, trust_remote_code=True)
+        load_model(folder, ModelConfig(trust_remote_code=True))
 
 
 def test_no_library_code_unpickles_without_weights_only():
@@ -51,7 +51,8 @@ def test_no_library_code_unpickles_without_weights_only():
 
 @pytest.mark.parametrize("name", ["../../outside", "a/b", "..", "/tmp/x"])
 def test_a_recipe_name_cannot_point_the_run_folder_outside_runs(name):
-    from redumix.pipeline.config import ConfigError, load_config
+    from redumix.pipeline.config import load_config
+    from redumix.pipeline.resolve import ConfigError
 
     with pytest.raises(ConfigError, match=r"'name'.*--run-dir"):
         load_config(ROOT / "recipes" / "tiny.yaml", [f"name={name}"])

@@ -1,0 +1,189 @@
+"""The decoders by name: one table, and everything that lists decoders reads it.
+
+Each decoder is a module of generate/ holding its settings dataclass and the decoder. Its line in `DECODERS` gives
+the config section it reads (`config.redumix`, ...: `Config` gets one section per key named here), the factory that
+builds it from the resolved config, the suffix its name may take (`redumix-oracle@0.3`, `vote@8`), and one line of
+help. `eval.decoders`' help and default, the `@` suffixes and the "known:" message are derived from the table.
+
+The factories live here, not in generate/, because they read the whole Config (a decoder's own section, the shared
+sampling policy, the seed) and generate/ knows nothing of stages or recipes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from redumix.generate.cntp import CntpConfig, CntpDecoder
+from redumix.generate.decoder import Decoder
+from redumix.generate.moi import MoiConfig, MoiDecoder
+from redumix.generate.pdr import PdrConfig, PdrDecoder
+from redumix.generate.plain import PlainDecoder
+from redumix.generate.redumix import RedumixConfig, RedumixDecoder
+from redumix.generate.reflective import ReflectiveConfig, ReflectiveDecoder
+from redumix.generate.reflective_tuning import matched_ablations
+
+if TYPE_CHECKING:  # pipeline/config.py builds Config from this table, so it is imported here for types only
+    from redumix.pipeline.config import Config
+
+# (config, the decoder's name as listed, records of the decoders already run on this checkpoint) -> decoder
+DecoderFactory = Callable[["Config", str, dict[str, list[dict]]], Decoder]
+
+
+@dataclass(frozen=True)
+class DecoderEntry:
+    section: tuple[str, type] | None  # (key, dataclass) of the config section it reads, or None
+    make: DecoderFactory
+    suffix: str  # what may follow its name after '@' ("@λ", "@N"), or "" for nothing
+    help: str
+
+
+# --- factories ------------------------------------------------------------------------------------------------------
+
+
+def _greedy(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decoder:
+    return PlainDecoder(name, dataclasses.replace(config.sampling, temperature=0.0), config.seed)
+
+
+def _sample(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decoder:
+    policy = dataclasses.replace(config.sampling, temperature=config.eval.sample_temperature)
+    return PlainDecoder(name, policy, config.seed)
+
+
+def _longhand(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decoder:
+    return PlainDecoder(name, dataclasses.replace(config.sampling, temperature=0.0), config.seed, longhand=True)
+
+
+def _redumix(feedback: str) -> DecoderFactory:
+    def make(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decoder:
+        settings = dataclasses.replace(config.redumix, feedback=feedback)
+        _, at, lam = name.partition("@")
+        if at:
+            try:
+                settings = dataclasses.replace(settings, lam=float(lam))
+            except ValueError as exc:
+                raise ValueError(f"eval.decoders: {name!r}: λ must be a number in [0, 1] ({exc})") from exc
+        return RedumixDecoder(name, settings, config.sampling, config.seed)
+
+    return make
+
+
+def _moi(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decoder:
+    return MoiDecoder(name, config.moi, config.sampling, config.seed)
+
+
+def _cntp(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decoder:
+    return CntpDecoder(name, config.cntp, dataclasses.replace(config.sampling, temperature=0.0), config.seed)
+
+
+def _vote(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decoder:
+    """Self-consistency at PDR's N and draft temperature: PDR with no refine round is exactly a majority vote."""
+    _, at, count = name.partition("@")
+    drafts = config.pdr.drafts
+    if at:
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"eval.decoders: {name!r}: N must be a whole number >= 1")
+        drafts = int(count)
+    return PdrDecoder(name, dataclasses.replace(config.pdr, drafts=drafts, rounds=0), config.sampling, config.seed)
+
+
+def _pdr(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decoder:
+    return PdrDecoder(name, config.pdr, config.sampling, config.seed)
+
+
+def _sr(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decoder:
+    return PdrDecoder(name, dataclasses.replace(config.pdr, drafts=1), config.sampling, config.seed)
+
+
+def _reflective(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decoder:
+    return ReflectiveDecoder(name, config.reflective, config.sampling, config.seed)
+
+
+def _matched(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decoder:
+    """An ablation of the gated reflective run, matched to its hidden budget."""
+    gated = earlier.get("reflective")
+    if not gated:
+        raise ValueError(f"eval.decoders: {name!r} is matched to 'reflective', so list 'reflective' before it")
+    visible = sum(r["extra"]["visible_tokens"] for r in gated)
+    reflections = sum(r["extra"]["n_reflections"] for r in gated)
+    hidden = sum(r["extra"]["hidden_tokens"] for r in gated)
+    points = sum(r["extra"]["trigger_points"] for r in gated)  # where a trigger could fire (trigger_after)
+    settings = matched_ablations(config.reflective, visible, reflections, hidden, points)[name]
+    return ReflectiveDecoder(name, settings, config.sampling, config.seed)
+
+
+# --- the table ------------------------------------------------------------------------------------------------------
+
+REDUMIX = ("redumix", RedumixConfig)
+MOI = ("moi", MoiConfig)
+CNTP = ("cntp", CntpConfig)
+PDR = ("pdr", PdrConfig)
+REFLECTIVE = ("reflective", ReflectiveConfig)
+
+# name -> (config section, factory, suffix, help). The order is the order of eval's default run and of the config's
+# decoder sections. A decoder's name salts its sampling seed: renaming one changes its records.
+DECODERS: dict[str, DecoderEntry] = {
+    "greedy": DecoderEntry(None, _greedy, "", "plain greedy decoding"),
+    "sample": DecoderEntry(None, _sample, "", "plain sampling at eval.sample_temperature"),
+    "longhand": DecoderEntry(None, _longhand, "", "greedy, asked to work the long way (visible long-hand CoT)"),
+    "redumix-oracle": DecoderEntry(REDUMIX, _redumix("verifier"), "@λ",
+                                   "ReDuMix with the task's verifier feedback (it knows the answer); @λ sets λ"),
+    "redumix-self": DecoderEntry(REDUMIX, _redumix("self"), "@λ", "ReDuMix with the model's own critique as feedback"),
+    "moi": DecoderEntry(MOI, _moi, "", "Mixture of Inputs"),
+    "cntp": DecoderEntry(CNTP, _cntp, "", "Cautious Next Token Prediction: lowest-perplexity trial where unsure"),
+    "vote": DecoderEntry(PDR, _vote, "@N", "self-consistency: majority of N sampled answers (pdr.drafts)"),
+    "pdr": DecoderEntry(PDR, _pdr, "", "Parallel-Distill-Refine"),
+    "sr": DecoderEntry(PDR, _sr, "", "Sequential Refinement: PDR with one draft"),
+    "reflective": DecoderEntry(REFLECTIVE, _reflective, "", "hidden-KV Reflective Decoding, gated by uncertainty"),
+    "reflective-periodic": DecoderEntry(REFLECTIVE, _matched, "", "ablation: reflect periodically (after reflective)"),
+    "reflective-random": DecoderEntry(REFLECTIVE, _matched, "", "ablation: reflect at random (after reflective)"),
+    "reflective-fixed": DecoderEntry(REFLECTIVE, _matched, "", "ablation: one fixed-length span (after reflective)"),
+}
+
+# Eval's default: every decoder, with the oracle at λ = 1 (plain decoding), the recipe's λ and 0 (the reflective
+# context alone).
+LAMBDA_SWEEP = {"redumix-oracle": ["redumix-oracle@1", "redumix-oracle", "redumix-oracle@0"]}
+DEFAULT_DECODERS = [run for name in DECODERS for run in LAMBDA_SWEEP.get(name, [name])]
+
+
+def decoder_sections(table: dict[str, DecoderEntry] = DECODERS) -> dict[str, type]:
+    """The config sections the decoders read, key -> dataclass, in table order (each key names one dataclass)."""
+    sections: dict[str, type] = {}
+    for name, entry in table.items():
+        if entry.section is None:
+            continue
+        key, cls = entry.section
+        if sections.setdefault(key, cls) is not cls:
+            raise TypeError(f"decoder {name!r}: section {key!r} is {sections[key].__name__} for an earlier decoder")
+    return sections
+
+
+def known_decoders(table: dict[str, DecoderEntry] = DECODERS) -> str:
+    return ", ".join(name + (f"[{entry.suffix}]" if entry.suffix else "") for name, entry in table.items())
+
+
+def decoders_help(table: dict[str, DecoderEntry] = DECODERS) -> str:
+    return "; ".join(f"{name}{f'[{e.suffix}]' if e.suffix else ''}: {e.help}" for name, e in table.items())
+
+
+def check_decoder_names(names: list[str], table: dict[str, DecoderEntry] = DECODERS) -> None:
+    """Every listed name must be in the table before any model loads; all problems are reported at once."""
+    problems = []
+    for name in names:
+        family, at, _ = name.partition("@")
+        if family not in table:
+            problems.append(f"unknown decoder {name!r} (known: {known_decoders(table)})")
+        elif at and not table[family].suffix:
+            takes = ", ".join(f"{k}{e.suffix}" for k, e in table.items() if e.suffix)
+            problems.append(f"decoder {name!r}: only these take an @ suffix: {takes}")
+    if problems:
+        raise ValueError("eval.decoders: " + "; ".join(problems))
+
+
+def make_decoder(
+    config: Config, name: str, earlier: dict[str, list[dict]], table: dict[str, DecoderEntry] = DECODERS
+) -> Decoder:
+    """The decoder listed as `name` (a suffix included), built by its table entry."""
+    return table[name.partition("@")[0]].make(config, name, earlier)

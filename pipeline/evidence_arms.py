@@ -1,0 +1,44 @@
+"""The arms of `redumix evidence` by name: which harvest each learns from and how it trains, with one line of help.
+
+A module of its own, with no torch in it, so that the config checks `evidence.main_arms` and `evidence.other_arms`
+and writes their help from this table without importing the stage (pipeline/evidence.py runs the arms).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Arm:
+    harvest: str  # the harvest it learns from, a key of HARVESTS
+    train: dict[str, Any]  # its train.* settings over the recipe's
+    help: str
+
+
+ARMS: dict[str, Arm] = {
+    "mixture": Arm("verifier", {}, "the stored p_mix at the recipe's λ, verifier feedback: the product's own target"),
+    "lambda0": Arm("lambda0", {}, "p_mix at λ=0, the reflective context alone (a harvest of its own)"),
+    "redo": Arm("verifier", {"target": "redo"}, "SFT: the λ-mixture redo text as hard labels"),
+    "gold": Arm("verifier", {"target": "gold"}, "SFT: the task's reference working (what a perfect teacher gives)"),
+    "original": Arm("verifier", {"target": "original"},
+                    "SFT: the model's own first attempts (what any fine-tune on this data gives)"),
+    "feedback-self": Arm("self", {}, "p_mix from a harvest whose feedback is the model's own critique"),
+    "feedback-none": Arm("none", {}, "p_mix from a harvest with no feedback at all (reflect only)"),
+    "feedback-random": Arm("random", {}, "p_mix from a harvest with a coin-flip verdict, wrong half the time"),
+    "on-policy": Arm("verifier", {"policy": "on_policy"}, "student samples, the teacher's p_mix computed live"),
+}
+
+# Harvest kinds: the recipe's own ("verifier", RUN_DIR/harvest), or one redumix setting changed.
+HARVESTS: dict[str, dict[str, Any]] = {
+    "verifier": {},
+    "lambda0": {"lam": 0.0},
+    "self": {"feedback": "self"},
+    "none": {"feedback": "none"},
+    "random": {"feedback": "random"},
+}
+
+
+def arms_help() -> str:
+    return "; ".join(f"{name}: {arm.help}" for name, arm in ARMS.items())
