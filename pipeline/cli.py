@@ -68,7 +68,7 @@ def permission_message(exc: PermissionError, run: RunDir) -> str:
 def run_stage(stage: str, config: Config, run: RunDir) -> None:
     # Imports are per stage so that `redumix base` does not pay for TRL and DeepSpeed.
     if stage == "base":
-        from redumix.pipeline.base import run_base
+        from redumix.embedded.stage import run_base
 
         run_base(config, run)
     elif stage == "harvest":

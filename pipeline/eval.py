@@ -31,6 +31,7 @@ from pathlib import Path
 
 from redumix.data.task import Task
 from redumix.data.tasks import make_task
+from redumix.embedded.stage import ensure_base
 from redumix.generate.cntp import CntpDecoder
 from redumix.generate.decoder import Decoder, fingerprint
 from redumix.generate.model_io import load_model
@@ -40,7 +41,6 @@ from redumix.generate.plain import PlainDecoder
 from redumix.generate.redumix import RedumixDecoder
 from redumix.generate.reflective import ReflectiveDecoder
 from redumix.generate.reflective_tuning import matched_ablations
-from redumix.pipeline.base import ensure_base
 from redumix.pipeline.config import Config, config_to_yaml
 from redumix.pipeline.records import make_record, model_identity, read_records, records_path, score_resumable
 from redumix.pipeline.report import plot_accuracy_vs_fpe, reflection_diagnostics, report_markdown, summarize

@@ -19,7 +19,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from redumix.pipeline.base import ensure_base
+from redumix.embedded.stage import ensure_base
 from redumix.pipeline.config import Config, config_to_yaml
 from redumix.pipeline.eval import DECODERS, check_decoder_names, run_eval
 from redumix.pipeline.harvest import run_harvest
