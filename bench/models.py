@@ -11,18 +11,19 @@ import itertools
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from redumix.data.arith import ArithConfig, ArithTask
-from redumix.data.chat import CHAT_TEMPLATE
-from redumix.pipeline.base import build_model, episode_texts, train_tokenizer
-from redumix.pipeline.config import BaseConfig
+from redumix.data.arith import ArithConfig
+from redumix.embedded.config import BaseConfig
+from redumix.embedded.corpus import corpus_episodes
+from redumix.embedded.pretrain import build_model
+from redumix.embedded.tokenizer import corpus_tokenizer
 
 SHAPE = BaseConfig()
 
 
 def embedded_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
     base = BaseConfig()
-    episodes = itertools.islice(ArithTask(ArithConfig(), seed).training_episodes(base.corpus_spec()), 3000)
-    return train_tokenizer(episode_texts(list(episodes)) + [CHAT_TEMPLATE], base.vocab_size)
+    episodes = itertools.islice(corpus_episodes(ArithConfig(), base.corpus, seed), 3000)
+    return corpus_tokenizer(list(episodes), base.vocab_size)
 
 
 def embedded_model(

@@ -1,23 +1,17 @@
-"""`arith`: seeded multi-step arithmetic word problems with integer answers, and the embedded base's training text.
+"""`arith`: seeded multi-step arithmetic word problems with integer answers, and their solution texts.
 
 A problem is a start value and 2-4 operations (`+ a`, `- a`, `* f`), told as a short story. Every canonical problem
 (start value and operations; the names and nouns of the story do not count) falls into one of ten buckets by a
 stable hash: bucket 0 is the `test` split, bucket 1 the `train` split that the harvest reads, and buckets 2-9 are
-what `redumix base` pre-trains on. So the base never sees a held-out or harvested problem, whatever the seeds.
+what `redumix base` pre-trains on (embedded/corpus.py). So the base never sees a held-out or harvested problem,
+whatever the seeds.
 
-The base's training text teaches two procedures of different reliability:
+Solutions come in two procedures of different reliability:
 - a terse first attempt, one line per step (`54 * 3 = 162`), some with realistic slips;
 - a long-hand check that splits tens and units (`54 * 3: 50 * 3 = 150, 4 * 3 = 12, 150 + 12 = 162`). Reflections,
   refine answers, the long-hand solutions asked for by LONGHAND and hidden `<|reflect|>` spans use it. Checking this
   way is more reliable than the terse line, so a redo conditioned on the check is more accurate than the attempt:
   that gap is what ReDuMix harvests.
-
-Hidden check spans open mostly on hard lines (a carry, a borrow, a two-digit product), where the model is least sure:
-the lines it is unsure of are the ones it learnt to check. Slips stay spread evenly over the lines: a base trained
-with four in five slips on hard lines scored 29% greedy, against 42% with even slips and the same corpus otherwise
-(it learnt to slip where it should check). A refine answer reads the workspace's drafts line by line, checks
-long-hand only the lines the drafts disagree on (every line when there is
-one draft: Sequential Refinement), then writes the problem's steps again with the wrong lines fixed.
 """
 
 from __future__ import annotations
@@ -25,27 +19,15 @@ from __future__ import annotations
 import hashlib
 import random
 import re
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
 from redumix.data import grading
-from redumix.data.grading import extract_answer, verifier_feedback
-from redumix.data.prompts import (
-    Message,
-    attempt_messages,
-    critique_messages,
-    format_workspace,
-    longhand_messages,
-    redo_messages,
-    refine_messages,
-)
+from redumix.data.grading import extract_answer
 from redumix.data.task import Example, Split
 
 Op = Literal["+", "-", "*"]
-REFLECT_OPEN = "<|reflect|>"
-REFLECT_CLOSE = "<|/reflect|>"
 BUCKETS = 10
 SPLIT_BUCKET = {"test": 0, "train": 1}  # every other bucket belongs to base pre-training
 LINE = re.compile(r"(\d+) ([-+*]) (\d+) = (\d+)")  # one computation, terse or long-hand
@@ -214,11 +196,8 @@ class Line:
     def right_result(self) -> int:
         return apply(self.left, self.op, self.right)
 
-    def text(self, check: bool = False) -> str:
-        if not check:
-            return f"{self.left} {self.op} {self.right} = {self.result}"
-        span = REFLECT_OPEN + long_hand(self.left, self.op, self.right) + REFLECT_CLOSE
-        return f"{self.left} {self.op} {self.right} = {span}{self.result}"
+    def text(self) -> str:
+        return f"{self.left} {self.op} {self.right} = {self.result}"
 
 
 def long_hand(left: int, op: str, right: int) -> str:
@@ -272,9 +251,6 @@ def is_hard(left: int, op: str, right: int) -> bool:
     return left >= 10
 
 
-HARD_WEIGHT = 4.0  # a hard line is this many times likelier than an easy one to hold a check span
-
-
 def attempt_lines(problem: Problem, rng: random.Random, slips: set[int] = frozenset()) -> list[Line]:
     """The terse solution, with a slip in each line index in `slips`; later lines carry the wrong value on."""
     lines, value = [], problem.start
@@ -287,9 +263,9 @@ def attempt_lines(problem: Problem, rng: random.Random, slips: set[int] = frozen
     return lines
 
 
-def solution_text(lines: list[Line], checks: set[int] = frozenset()) -> str:
+def solution_text(lines: list[Line]) -> str:
     """Terse lines then the final-answer line that `grading.extract_answer` reads."""
-    body = [line.text(check=i in checks) for i, line in enumerate(lines)]
+    body = [line.text() for line in lines]
     return "\n".join([*body, f"The answer is {lines[-1].result}."])
 
 
@@ -322,175 +298,11 @@ def reflection_text(problem: Problem, attempt: list[Line]) -> str:
     return "\n".join(out)
 
 
-# --- the base's training corpus -------------------------------------------------------------------------------------
-
-
-@dataclass
-class CorpusSpec:
-    """How the base's training text is mixed. Weights are relative; rates are per episode or per line.
-
-    These defaults are the embedded base's (`BaseConfig` takes its defaults from here): the mix it was measured with.
-    """
-
-    weights: dict[str, float] = field(
-        default_factory=lambda: {
-            "solution": 0.42, "reflection": 0.33, "critique": 0.05, "refine": 0.15, "longhand": 0.05,
-        }
-    )
-    slip_rate: float = 0.1  # share of trained terse solutions that contain a slip (the base stays imperfect)
-    wrong_attempt_rate: float = 0.6  # share of reflection/critique/refine attempts that contain a slip
-    noisy_feedback_rate: float = 0.15  # reflection episodes whose feedback verdict is wrong (as a critique can be)
-    check_span_rate: float = 0.1  # share of terse solution lines with a hidden <|reflect|> check span
-
-
-@dataclass
-class Episode:
-    """One training conversation; only the assistant turns listed in `trained` carry loss."""
-
-    kind: str
-    messages: list[Message]
-    trained: tuple[int, ...]
-
-
-def _wrong_attempt(problem: Problem, rng: random.Random) -> list[Line]:
-    n = len(problem.steps)
-    slips = {rng.randrange(n)}
-    if n > 2 and rng.random() < 0.15:
-        slips.add(rng.randrange(n))
-    return attempt_lines(problem, rng, slips)
-
-
-def _attempt(problem: Problem, rng: random.Random, wrong_rate: float) -> list[Line]:
-    return _wrong_attempt(problem, rng) if rng.random() < wrong_rate else attempt_lines(problem, rng)
-
-
-def check_probability(line: Line, rate: float) -> float:
-    """Spans sit mostly on hard lines; `rate` stays the share of checked lines on a mix of half hard, half easy."""
-    return min(1.0, rate * 2 * (HARD_WEIGHT if is_hard(line.left, line.op, line.right) else 1.0) / (HARD_WEIGHT + 1))
-
-
-def solution_episode(problem: Problem, rng: random.Random, spec: CorpusSpec) -> Episode:
-    lines = _attempt(problem, rng, spec.slip_rate)
-    checks = {i for i, line in enumerate(lines) if line.result == line.right_result
-              and rng.random() < check_probability(line, spec.check_span_rate)}
-    messages = [*attempt_messages(problem.text()), {"role": "assistant", "content": solution_text(lines, checks)}]
-    return Episode("solution", messages, (1,))
-
-
-def reflection_episode(problem: Problem, rng: random.Random, spec: CorpusSpec) -> Episode:
-    """attempt -> feedback + REFLECT -> long-hand reflection -> REDO -> corrected terse solution. The attempt is
-    context only: training on it would teach slips at the rate reflection needs to see them."""
-    prompt = problem.text()
-    lines = _attempt(problem, rng, spec.wrong_attempt_rate)
-    attempt = solution_text(lines)
-    feedback = verifier_feedback(attempt, str(problem.answer))
-    if rng.random() < spec.noisy_feedback_rate:  # a misleading verdict; the long-hand check must overrule it
-        right = lines[-1].result == problem.answer
-        feedback = f"Your final answer {lines[-1].result} is {'wrong' if right else 'correct'}."
-    reflection = reflection_text(problem, lines)
-    messages = redo_messages(prompt, attempt, feedback, reflection)
-    messages.append({"role": "assistant", "content": solution_text(attempt_lines(problem, rng))})
-    return Episode("reflection", messages, (3, 5))
-
-
-def critique_episode(problem: Problem, rng: random.Random, spec: CorpusSpec) -> Episode:
-    """[x ‖ y1 ‖ CRITIQUE] -> a verdict phrased as the verifier would, so feedback="self" reads like feedback."""
-    attempt = solution_text(_attempt(problem, rng, spec.wrong_attempt_rate))
-    messages = critique_messages(problem.text(), attempt)
-    messages.append({"role": "assistant", "content": verifier_feedback(attempt, str(problem.answer))})
-    return Episode("critique", messages, (3,))
-
-
-def refine_checks(problem: Problem, drafts: list[list[Line]]) -> str:
-    """Read the drafts line by line against the problem. A line every draft agrees on, rightly, is kept as it is;
-    any other line (every line when there is one draft) is re-derived long-hand and Solution 1's value judged."""
-    values = problem.values()
-    out = ["I check Solution 1 line by line."]
-    for index, step in enumerate(problem.steps):
-        a, result = values[index], values[index + 1]
-        right = Line(a, step.op, step.operand, result)
-        if len(drafts) > 1 and all(d[index] == right for d in drafts):
-            out.append(f"Line {index + 1}: {right.text()}. All agree.")
-            continue
-        check = f"Line {index + 1}: {a} {step.op} {step.operand}: {long_hand(a, step.op, step.operand)}."
-        written = drafts[0][index].result
-        out.append(f"{check} Right." if written == result else f"{check} Wrong, I wrote {written}.")
-    return "\n".join(out)
-
-
-def refine_answer(problem: Problem, drafts: list[list[Line]], final: list[Line]) -> str:
-    """The refine turn: the line checks, then the problem's steps again with the wrong lines fixed (`final`)."""
-    return refine_checks(problem, drafts) + "\n" + solution_text(final)
-
-
-def workspace_order(drafts: list[list[Line]]) -> list[list[Line]]:
-    """Drafts as PDR's extract distill orders them: one per distinct answer by descending votes, then the rest,
-    identical drafts once."""
-    votes = Counter(d[-1].result for d in drafts)
-    ranked = sorted(range(len(drafts)), key=lambda i: (-votes[drafts[i][-1].result], i))
-    first_of_answer = {}
-    for i in ranked:
-        first_of_answer.setdefault(drafts[i][-1].result, i)
-    order = list(first_of_answer.values()) + [i for i in ranked if i not in first_of_answer.values()]
-    unique: list[list[Line]] = []
-    for i in order:
-        if drafts[i] not in unique:
-            unique.append(drafts[i])
-    return unique
-
-
-def refine_episode(problem: Problem, rng: random.Random, spec: CorpusSpec) -> Episode:
-    """PDR and SR: a workspace of 1-4 earlier drafts (some wrong) -> line checks -> the steps again, fixed.
-
-    A quarter of the workspaces hold one earlier refine answer instead of terse drafts, as a second PDR or SR round
-    sees it (one refine answer fills PDR's default workspace of 192 tokens); its final lines slip as often as
-    attempts do.
-    """
-    if rng.random() < 0.25:
-        drafts = [_attempt(problem, rng, spec.wrong_attempt_rate)]
-        earlier = [_attempt(problem, rng, spec.wrong_attempt_rate) for _ in range(rng.randint(1, 4))]
-        texts = [refine_answer(problem, workspace_order(earlier), drafts[0])]
-    else:
-        drafts = workspace_order([_attempt(problem, rng, spec.wrong_attempt_rate) for _ in range(rng.randint(1, 4))])
-        texts = [solution_text(d) for d in drafts]
-    messages = refine_messages(problem.text(), format_workspace(texts))
-    messages.append({"role": "assistant", "content": refine_answer(problem, drafts, attempt_lines(problem, rng))})
-    return Episode("refine", messages, (1,))
-
-
-def longhand_episode(problem: Problem, rng: random.Random, spec: CorpusSpec) -> Episode:
-    """[x ‖ LONGHAND] -> the whole solution done the careful way (the visible long-hand CoT baseline)."""
-    messages = [*longhand_messages(problem.text()), {"role": "assistant", "content": long_hand_solution(problem)}]
-    return Episode("longhand", messages, (1,))
-
-
-EPISODES = {
-    "solution": solution_episode,
-    "reflection": reflection_episode,
-    "critique": critique_episode,
-    "refine": refine_episode,
-    "longhand": longhand_episode,
-}
-
-
-def corpus_episodes(config: ArithConfig, spec: CorpusSpec, seed: int) -> Iterator[Episode]:
-    """An endless, seeded stream of base training episodes on problems outside the test and train buckets."""
-    unknown = set(spec.weights) - set(EPISODES)
-    if unknown:
-        raise ValueError(f"unknown episode kinds {sorted(unknown)}; known: {sorted(EPISODES)}")
-    kinds = [k for k, w in spec.weights.items() if w > 0]
-    weights = [spec.weights[k] for k in kinds]
-    rng = random.Random(f"arith:corpus:{seed}")
-    base_buckets = set(range(BUCKETS)) - set(SPLIT_BUCKET.values())
-    for problem in problems_in_buckets(config, base_buckets, "base", seed):
-        yield EPISODES[rng.choices(kinds, weights)[0]](problem, rng, spec)
-
-
 # --- the task -------------------------------------------------------------------------------------------------------
 
 
 class ArithTask:
-    """`arith` through the Task seam: generated examples, GSM8K-style grading, and the base's training episodes."""
+    """`arith` through the Task seam: generated examples and GSM8K-style grading."""
 
     name = "arith"
 
@@ -514,7 +326,3 @@ class ArithTask:
     answer = staticmethod(extract_answer)
     is_correct = staticmethod(grading.grade)
     feedback = staticmethod(grading.feedback)
-
-    def training_episodes(self, spec: CorpusSpec) -> Iterator[Episode]:
-        """The embedded base's training text: an endless stream on problems outside the test and train splits."""
-        return corpus_episodes(self.config, spec, self.seed)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from redumix.data.arith import REFLECT_CLOSE, REFLECT_OPEN
 from redumix.data.prompts import Message
 
 _PLACEHOLDER = "\x1e\x1fASSISTANT_TURN\x1f\x1e"
@@ -47,20 +46,3 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> str:
         raise ValueError(f"{name} has no chat template; redumix needs one (use an instruct/chat checkpoint)")
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-
-# --- the embedded default's chat format ---------------------------------------------------------------------------
-
-PAD, END, USER, ASSISTANT, SYSTEM = "<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"
-SPECIAL_TOKENS = [PAD, END, USER, ASSISTANT, SYSTEM, REFLECT_OPEN, REFLECT_CLOSE]
-# Every turn opens and closes with a special token, and the tokenizer splits on special tokens before anything
-# else, so a conversation's ids are exactly the concatenation of its turns' ids (the decoders rely on this).
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'user' -%}" + USER + "{{ message['content'] }}" + END +
-    "{%- elif message['role'] == 'assistant' -%}" + ASSISTANT + "{{ message['content'] }}" + END +
-    "{%- elif message['role'] == 'system' -%}" + SYSTEM + "{{ message['content'] }}" + END +
-    "{%- else -%}{{ raise_exception('unknown chat role: ' + message['role']) }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}" + ASSISTANT + "{%- endif -%}"
-)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from redumix.data.tasks import make_task
+from redumix.embedded.stage import ensure_base
 from redumix.generate.decoder import attempt_prompts, example_seeds
 from redumix.generate.model_io import load_model, stop_token_ids
 from redumix.generate.reflective import (
@@ -27,7 +28,6 @@ from redumix.generate.reflective import (
     resolve_markers,
 )
 from redumix.generate.reflective_tuning import calibrate_tau, choose_stop
-from redumix.pipeline.base import ensure_base
 from redumix.pipeline.config import Config
 from redumix.pipeline.run import RunDir, log_metrics, model_path, print0
 

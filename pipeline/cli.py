@@ -28,7 +28,7 @@ class Stage:
 
 
 STAGES: dict[str, Stage] = {
-    "base": Stage("redumix.pipeline.base", "run_base", "build the embedded default model"),
+    "base": Stage("redumix.embedded.stage", "run_base", "build the embedded default model"),
     "harvest": Stage("redumix.pipeline.harvest", "run_harvest", "ReDuMix redos with p_mix into Arrow shards"),
     "train": Stage("redumix.pipeline.train", "run_train", "distil the stored p_mix into the model"),
     "eval": Stage("redumix.pipeline.eval", "run_eval", "every decoder on the base and tuned checkpoints"),

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from redumix.data.arith import CorpusSpec
-from redumix.data.chat import SPECIAL_TOKENS
 from redumix.data.tasks import TaskConfig
+from redumix.embedded.config import BaseConfig
 from redumix.generate.model_io import ModelConfig
 from redumix.generate.policy import SamplingPolicy
 from redumix.pipeline.decoders import DEFAULT_DECODERS, decoder_sections, decoders_help
@@ -24,116 +23,7 @@ from redumix.pipeline.evidence_arms import ARMS, arms_help
 from redumix.pipeline.resolve import resolve
 from redumix.train.config import TrainConfig
 
-_CORPUS = CorpusSpec()  # the embedded base's corpus defaults live in data/arith.py; BaseConfig repeats none
-
-
 _SAFE_NAME = re.compile(r"(?!\.{1,2}$)[A-Za-z0-9._-]+")
-
-
-@dataclass
-class BaseConfig:
-    steps: int = field(default=3500, metadata={"help": "Optimizer steps of base pre-training (fixed, not timed)."})
-    batch_rows: int = field(default=2, metadata={"help": "Packed rows per optimizer step."})
-    seq_len: int = field(default=512, metadata={"help": "Tokens per packed row; also the model's window."})
-    vocab_size: int = field(
-        default=768,
-        metadata={"help": "Byte-level BPE vocabulary size, special tokens included. 768 makes the fixed instruction "
-                  "strings one to four tokens, so a reflection episode is ~190 tokens instead of ~345 at 432."},
-    )
-    # Narrow and many steps beats wide and few at this budget: on 2-3-step problems, width 96 for 6000 steps reached
-    # 77% and width 128 for 4000 steps 48%, while width 192 for 2400 steps reached 14% (same wall time).
-    hidden_size: int = field(default=96, metadata={"help": "Model width."})
-    layers: int = field(default=4, metadata={"help": "Transformer blocks."})
-    heads: int = field(default=4, metadata={"help": "Attention heads (hidden_size must divide by it)."})
-    intermediate_size: int = field(default=256, metadata={"help": "MLP width."})
-    lr: float = field(default=3e-3, metadata={"help": "Peak AdamW learning rate."})
-    min_lr_ratio: float = field(default=0.1, metadata={"help": "Cosine decays to lr * this."})
-    warmup_steps: int = field(default=60, metadata={"help": "Linear warmup steps."})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay on matrices."})
-    bf16: bool = field(
-        default=False,
-        metadata={"help": "bf16 autocast. Off: on this CPU (AVX-512 without BF16) a training step measured 2.8x "
-                  "slower in bf16 than in float32."},
-    )
-    threads: int = field(default=2, metadata={"help": "torch.set_num_threads while building."})
-    checkpoint_steps: int = field(
-        default=250,
-        metadata={"help": "Save weights, optimizer and step every this many steps; a rerun resumes from the last."},
-    )
-    mix_solution: float = field(
-        default=_CORPUS.weights["solution"],
-        metadata={"help": "Weight of plain terse solutions in the corpus."}
-    )
-    mix_reflection: float = field(
-        default=_CORPUS.weights["reflection"],
-        metadata={"help": "Weight of reflection episodes."}
-    )
-    mix_critique: float = field(
-        default=_CORPUS.weights["critique"],
-        metadata={"help": "Weight of self-critique episodes."}
-    )
-    mix_refine: float = field(
-        default=_CORPUS.weights["refine"], metadata={"help": "Weight of PDR and SR refine episodes."}
-    )
-    mix_longhand: float = field(
-        default=_CORPUS.weights["longhand"], metadata={"help": "Weight of long-hand solutions (LONGHAND prompt)."}
-    )
-    slip_rate: float = field(
-        default=_CORPUS.slip_rate,
-        metadata={"help": "Share of trained terse solutions with a slip."}
-    )
-    wrong_attempt_rate: float = field(
-        default=_CORPUS.wrong_attempt_rate,
-        metadata={"help": "Share of episode attempts with a slip."}
-    )
-    noisy_feedback_rate: float = field(
-        default=_CORPUS.noisy_feedback_rate,
-        metadata={"help": "Reflection episodes whose feedback verdict is wrong (the check overrules it)."},
-    )
-    check_span_rate: float = field(
-        default=_CORPUS.check_span_rate,
-        metadata={"help": "Share of terse lines with a hidden check span."}
-    )
-    eval_n: int = field(default=300, metadata={"help": "Held-out test problems for the base's greedy accuracy."})
-    eval_reflection: bool = field(
-        default=True, metadata={"help": "Also measure attempt -> feedback -> reflection -> x2-only redo on eval_n."}
-    )
-    eval_batch_size: int = field(default=100, metadata={"help": "Problems decoded together when measuring."})
-    shipped: str | None = field(
-        default=None,
-        metadata={"help": "A folder with a base that `redumix base` built from these settings. When its "
-                  "build_config.yaml matches, harvest, eval, calibrate, rounds and evidence copy it into RUN_DIR/base "
-                  "instead of building; `redumix base` always builds from the code."},
-    )
-
-    def __post_init__(self) -> None:
-        problems = []
-        for name in ("steps", "batch_rows", "vocab_size", "hidden_size", "layers", "heads", "intermediate_size",
-                     "threads", "eval_n", "eval_batch_size", "checkpoint_steps"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.seq_len < 64:
-            problems.append(f"seq_len must be >= 64, got {self.seq_len}")
-        if self.vocab_size < 256 + len(SPECIAL_TOKENS):
-            problems.append(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (bytes + special tokens)")
-        if self.heads >= 1 and self.hidden_size % self.heads:
-            problems.append(f"hidden_size {self.hidden_size} must divide by heads {self.heads}")
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0 or self.weight_decay < 0:
-            problems.append("need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0, weight_decay >= 0")
-        for name in ("slip_rate", "wrong_attempt_rate", "noisy_feedback_rate", "check_span_rate"):
-            if not 0 <= getattr(self, name) <= 1:
-                problems.append(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        mix = [self.mix_solution, self.mix_reflection, self.mix_critique, self.mix_refine, self.mix_longhand]
-        if min(mix) < 0 or sum(mix) <= 0:
-            problems.append(f"mix_* weights must be >= 0 with a positive sum, got {mix}")
-        if problems:
-            raise ValueError("; ".join(problems))
-
-    def corpus_spec(self) -> CorpusSpec:
-        weights = {"solution": self.mix_solution, "reflection": self.mix_reflection, "critique": self.mix_critique,
-                   "refine": self.mix_refine, "longhand": self.mix_longhand}
-        return CorpusSpec(weights, self.slip_rate, self.wrong_attempt_rate, self.noisy_feedback_rate,
-                          self.check_span_rate)
 
 
 @dataclass

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from redumix.data.task import Task
 from redumix.data.tasks import flat_settings, make_task
+from redumix.embedded.stage import ensure_base
 from redumix.generate.decoder import fingerprint
 from redumix.generate.model_io import load_model
-from redumix.pipeline.base import ensure_base
 from redumix.pipeline.config import Config
 from redumix.pipeline.decoders import DECODERS, DecoderEntry, check_decoder_names, make_decoder
 from redumix.pipeline.records import make_record, model_identity, read_records, records_path, score_resumable

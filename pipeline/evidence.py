@@ -28,8 +28,8 @@ import torch
 
 from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages
+from redumix.embedded.stage import ensure_base
 from redumix.generate.model_io import load_model
-from redumix.pipeline.base import ensure_base
 from redumix.pipeline.config import Config
 from redumix.pipeline.eval import run_eval
 from redumix.pipeline.evidence_arms import ARMS, HARVESTS

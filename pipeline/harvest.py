@@ -32,9 +32,9 @@ from redumix.data.shards import (
 )
 from redumix.data.task import Example, Task
 from redumix.data.tasks import flat_settings, make_task
+from redumix.embedded.stage import ensure_base
 from redumix.generate.model_io import load_model, load_tokenizer, stop_token_ids
 from redumix.generate.redumix import FeedbackFn, RedumixResult, redumix_generate, task_feedback
-from redumix.pipeline.base import ensure_base
 from redumix.pipeline.config import Config
 from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.run import (

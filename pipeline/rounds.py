@@ -19,7 +19,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from redumix.pipeline.base import ensure_base
+from redumix.embedded.stage import ensure_base
 from redumix.pipeline.config import Config
 from redumix.pipeline.decoders import check_decoder_names
 from redumix.pipeline.eval import run_eval

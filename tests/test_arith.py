@@ -11,30 +11,26 @@ import pytest
 from redumix.data.arith import (
     BUCKETS,
     LINE,
-    REFLECT_CLOSE,
-    REFLECT_OPEN,
     SPLIT_BUCKET,
     ArithConfig,
-    CorpusSpec,
     Problem,
     Step,
     arith_examples,
     arith_problems,
     attempt_lines,
-    corpus_episodes,
     is_hard,
     long_hand,
     long_hand_solution,
     problems_in_buckets,
-    refine_checks,
     reflection_text,
     slip,
     solution_text,
-    workspace_order,
 )
 from redumix.data.grading import extract_answer, is_correct
 from redumix.data.prompts import CRITIQUE, LONGHAND, REDO, REFINE, REFLECT
 from redumix.data.tasks import TaskConfig, make_task
+from redumix.embedded.corpus import CorpusSpec, corpus_episodes, refine_checks, workspace_order
+from redumix.embedded.vocab import REFLECT_CLOSE, REFLECT_OPEN
 
 WORDS = {"more": "+", "away": "-", "loses": "-", "sells": "-", "times": "*"}
 
@@ -182,8 +178,12 @@ def test_corpus_episodes_use_the_pipeline_turns():
             )
 
 
+def solutions_only(**rates: float) -> CorpusSpec:
+    return CorpusSpec(mix_reflection=0.0, mix_critique=0.0, mix_refine=0.0, mix_longhand=0.0, **rates)
+
+
 def test_hidden_check_spans_are_placed_after_equals_and_right():
-    spec = CorpusSpec(weights={"solution": 1.0}, slip_rate=0.0, check_span_rate=1.0)
+    spec = solutions_only(slip_rate=0.0, check_span_rate=1.0)
     found = 0
     for episode in itertools.islice(corpus_episodes(ArithConfig(), spec, seed=0), 50):
         text = episode.messages[1]["content"]
@@ -211,10 +211,10 @@ def _line_rates(spec: CorpusSpec, seen, n: int = 3000) -> tuple[float, float]:
 
 def test_check_spans_fall_mostly_on_hard_lines_and_slips_do_not():
     """Training puts checks where a carry, a borrow or a two-digit product makes the terse line unsure."""
-    checks = CorpusSpec(weights={"solution": 1.0}, slip_rate=0.0, check_span_rate=0.2)
+    checks = solutions_only(slip_rate=0.0, check_span_rate=0.2)
     hard, easy = _line_rates(checks, lambda line, *_: REFLECT_OPEN in line)
     assert hard > 3 * easy > 0
-    slips = CorpusSpec(weights={"solution": 1.0}, slip_rate=1.0, check_span_rate=0.0)
+    slips = solutions_only(slip_rate=1.0, check_span_rate=0.0)
     hard, easy = _line_rates(slips, lambda line, a, op, b: int(line.rsplit(" ", 1)[1]) != eval(f"{a} {op} {b}"))
     assert 0.5 < hard / easy < 2
 

@@ -1,4 +1,5 @@
-"""`redumix base`: the tokenizer, the chat template's token-concatenativity, packing, and a tiny end-to-end build."""
+"""`redumix base` (embedded/): the tokenizer, the chat template's token-concatenativity, packing, measuring, and a
+tiny end-to-end build."""
 
 from __future__ import annotations
 
@@ -11,21 +12,26 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from redumix.data.arith import REFLECT_CLOSE, REFLECT_OPEN, ArithConfig, CorpusSpec, corpus_episodes
-from redumix.data.chat import ASSISTANT, END, USER, prompt_ids, template_pieces
+from redumix.data.arith import ArithConfig
+from redumix.data.chat import prompt_ids, template_pieces
 from redumix.data.prompts import critique_messages, redo_messages, refine_messages
-from redumix.pipeline.base import (
+from redumix.data.tasks import make_task
+from redumix.embedded import pretrain
+from redumix.embedded.corpus import CorpusSpec, corpus_episodes
+from redumix.embedded.measure import measure
+from redumix.embedded.pretrain import encode_episodes, pack_rows
+from redumix.embedded.stage import (
+    TOKENIZER_EPISODES,
     base_is_complete,
     build_settings,
-    encode_episodes,
     ensure_base,
-    episode_texts,
-    pack_rows,
     run_base,
     shipped_base,
-    train_tokenizer,
 )
+from redumix.embedded.tokenizer import corpus_tokenizer, episode_texts, train_tokenizer
+from redumix.embedded.vocab import ASSISTANT, END, REFLECT_CLOSE, REFLECT_OPEN, USER
 from redumix.pipeline.config import load_config
+from redumix.pipeline.resolve import ConfigError
 from redumix.pipeline.run import RunDir
 from tests.conftest import kill_when
 
@@ -139,6 +145,7 @@ def test_tiny_base_builds_end_to_end_and_is_skipped_after(tmp_path, capsys):
     assert metrics["n"] == 3 and 0 <= metrics["accuracy"] <= 1
     assert {"original_accuracy", "redo_accuracy", "fixed", "broken"} <= set(metrics["reflection_verifier"])
     assert "critique_verdict_accuracy" in metrics["reflection_self"]
+    assert {"accuracy", "line_accuracy"} == set(metrics["forced_check_spans"])
     assert metrics["build"]["steps_per_s"] > 0 and metrics["build"]["parameters"] == model.num_parameters()
     logged = [json.loads(line) for line in run.metrics.read_text().splitlines()]
     assert any(line["stage"] == "base" and "loss" in line for line in logged)
@@ -172,13 +179,11 @@ def _weights(run: RunDir) -> dict[str, torch.Tensor]:
 
 
 def test_an_interrupted_base_build_resumes_to_the_same_weights(tmp_path, monkeypatch, capsys):
-    import redumix.pipeline.base as base_stage
-
     config = load_config("recipes/tiny.yaml", RESUMABLE)
     whole = RunDir(tmp_path / "whole")
     run_base(config, whole)
 
-    real_lr_at = base_stage.lr_at
+    real_lr_at = pretrain.lr_at
 
     def crash_at_step_9(step, settings):
         if step == 9:
@@ -186,12 +191,12 @@ def test_an_interrupted_base_build_resumes_to_the_same_weights(tmp_path, monkeyp
         return real_lr_at(step, settings)
 
     broken = RunDir(tmp_path / "broken")
-    monkeypatch.setattr(base_stage, "lr_at", crash_at_step_9)
+    monkeypatch.setattr(pretrain, "lr_at", crash_at_step_9)
     with pytest.raises(KeyboardInterrupt):
         run_base(config, broken)
     state = json.loads((broken.root / ".base.partial" / "checkpoint" / "state.json").read_text())
     assert state["step"] == 8 and not base_is_complete(broken)
-    monkeypatch.setattr(base_stage, "lr_at", real_lr_at)
+    monkeypatch.setattr(pretrain, "lr_at", real_lr_at)
     capsys.readouterr()
     run_base(config, broken)
     assert "resuming from step 8" in capsys.readouterr().out
@@ -273,6 +278,66 @@ def test_the_tiny_recipe_uses_the_shipped_base():
     metrics = json.loads((folder / "metrics.json").read_text())
     assert metrics["build"]["parameters"] == 516_960 and metrics["n"] == config.base.eval_n
     assert sum(p.stat().st_size for p in folder.iterdir()) < 20e6
+
+
+def test_the_tiny_recipe_corpus_trains_the_shipped_tokenizer(tmp_path):
+    """The corpus is the shipped build's, byte for byte: its first episodes train exactly the shipped tokenizer (BPE
+    merges follow the counts of every piece of text, so a changed episode shows)."""
+    config = load_config("recipes/tiny.yaml")
+    episodes = corpus_episodes(config.task.arith, config.base.corpus, config.seed)
+    episodes = itertools.islice(episodes, TOKENIZER_EPISODES)
+    corpus_tokenizer(list(episodes), config.base.vocab_size).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tmp_path / name).read_bytes() == (Path(config.base.shipped) / name).read_bytes(), name
+
+
+def test_corpus_settings_live_under_base_corpus_and_are_checked():
+    config = load_config("recipes/tiny.yaml", ["base.corpus.check_span_rate=0.3"])
+    assert config.base.corpus.check_span_rate == 0.3 and config.base.corpus.wrong_attempt_rate == 0.6
+    settings = build_settings(config)
+    assert "  check_span_rate: 0.3\n" in settings and settings != build_settings(load_config("recipes/tiny.yaml"))
+    with pytest.raises(ConfigError, match=r"'base.corpus.slip_rate': slip_rate must be in \[0, 1\]"):
+        load_config("recipes/tiny.yaml", ["base.corpus.slip_rate=2"])
+    no_mix = [f"base.corpus.mix_{kind}=0" for kind in ("solution", "reflection", "critique", "refine", "longhand")]
+    with pytest.raises(ConfigError, match="positive sum"):
+        load_config("recipes/tiny.yaml", no_mix)
+
+
+def _shipped_metrics_measured(overrides: list[str]) -> tuple[dict, dict]:
+    """(what `measure` gives the shipped model now, what its build recorded in metrics.json)."""
+    config = load_config("recipes/tiny.yaml", overrides)
+    folder = Path(config.base.shipped)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    measured = measure(model, tokenizer, make_task(config.task, config.seed), config.base, config.seed)
+    return measured, json.loads((folder / "metrics.json").read_text())
+
+
+# Another CPU's float rounding may flip a near-tie between two greedy tokens: one problem's worth of slack.
+ONE_PROBLEM = 1 / 300 + 1e-9
+
+
+def test_measuring_the_shipped_base_reproduces_its_greedy_metrics():
+    """generate/'s greedy decoder scores the shipped model as its build did (on HF generate, before embedded/)."""
+    measured, shipped = _shipped_metrics_measured(["base.eval_reflection=false"])
+    assert set(measured) == {"n", "accuracy", "no_answer", "line_accuracy"} and measured["n"] == shipped["n"] == 300
+    assert abs(measured["accuracy"] - shipped["accuracy"]) <= ONE_PROBLEM
+    assert abs(measured["no_answer"] - shipped["no_answer"]) <= 1
+    assert abs(measured["line_accuracy"] - shipped["line_accuracy"]) <= 0.01
+
+
+@pytest.mark.slow
+def test_measuring_the_shipped_base_reproduces_its_reflection_metrics():
+    """ReDuMix at λ=0 gives the redo accuracies, fixed and broken counts and critique verdicts the build recorded.
+    Forced check spans are compared on accuracy only: the reflective decoder goes on after a span the model does not
+    close, where the build's decoding stopped, so their visible lines differ (line accuracy 0.90 against 0.92)."""
+    measured, shipped = _shipped_metrics_measured([])
+    for feedback in ("reflection_verifier", "reflection_self"):
+        assert measured[feedback].keys() == shipped[feedback].keys()
+        for key, value in shipped[feedback].items():
+            slack = 1 if key in ("fixed", "broken") else ONE_PROBLEM
+            assert abs(measured[feedback][key] - value) <= slack, (feedback, key, measured[feedback][key], value)
+    assert abs(measured["forced_check_spans"]["accuracy"] - shipped["forced_check_spans"]["accuracy"]) <= ONE_PROBLEM
 
 
 # Builds of the tiny recipe: (greedy accuracy, x2-only redo accuracy after verifier feedback) on its 300 held-out
