@@ -23,10 +23,10 @@ from bench.bench_peers import (
     with_recipe_batch,
 )
 from bench.harvest_split import split_harvest
+from bench.models import build_tiny_model
 from redumix.generate.redumix import mixture_topk
 from redumix.train.loss import select_targets, sparse_gkd_loss
 from redumix.train.onpolicy import context_logits
-from tests.conftest import build_tiny_model
 
 PROMPTS = ["Tom has 12 apples and eats 5. How many are left?", "2 + 2?", "Ann buys 3 pens at 4 each. Cost?"]
 

@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from bench.models import build_tiny_model
 from redumix.generate.loop import Choice, decode_prompts
 from redumix.generate.model_io import load_model
 from redumix.generate.state import (
@@ -20,7 +21,6 @@ from redumix.generate.state import (
     prefill,
     use_compiled_decoding,
 )
-from tests.conftest import build_tiny_model
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from bench.models import build_tiny_model, build_tiny_tokenizer
 from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages
 from redumix.generate.accounting import ForwardCounter, Usage
@@ -36,7 +37,7 @@ from redumix.generate.state import clone, prefill
 from redumix.pipeline import calibrate
 from redumix.pipeline.config import load_config
 from redumix.pipeline.run import RunDir
-from tests.conftest import build_tiny_model, build_tiny_tokenizer, one_thread
+from tests.conftest import one_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 
