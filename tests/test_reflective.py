@@ -20,18 +20,11 @@ from redumix.data.prompts import attempt_messages
 from redumix.generate.accounting import ForwardCounter, Usage
 from redumix.generate.plain import generate_batch
 from redumix.generate.policy import SamplingPolicy
-from redumix.generate.reflective import (
-    STOP_RULES,
-    ReflectiveConfig,
-    ReflectiveResult,
-    at_trigger_point,
-    peek_agrees,
-    reflective_generate,
-    resolve_markers,
-    settle_peeks,
-    step_with_peek,
-    uncertainty,
-)
+from redumix.generate.reflective_config import STOP_RULES, ReflectiveConfig
+from redumix.generate.reflective_loop import ReflectiveResult, reflective_generate
+from redumix.generate.reflective_markers import resolve_markers
+from redumix.generate.reflective_rules import at_trigger_point, peek_agrees, uncertainty
+from redumix.generate.reflective_step import settle_peeks, step_with_peek
 from redumix.generate.reflective_tuning import calibrate_tau, choose_stop, matched_ablations
 from redumix.generate.state import clone, prefill
 from redumix.pipeline import calibrate
