@@ -49,9 +49,10 @@ from redumix.data.prompts import attempt_messages, redo_messages
 from redumix.data.shards import encode_shard, read_shard
 from redumix.data.task import TaskConfig
 from redumix.data.tasks import make_task
+from redumix.generate.mixture import mixture_loop
 from redumix.generate.plain import generate_batch, sample_loop
 from redumix.generate.policy import SamplingPolicy
-from redumix.generate.redumix import RedumixConfig, mixture_loop, redumix_generate
+from redumix.generate.redumix import RedumixConfig, redumix_generate
 from redumix.generate.state import clone, merge, prefill
 
 TOKENS = 48

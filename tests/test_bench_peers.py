@@ -24,7 +24,7 @@ from bench.bench_peers import (
 )
 from bench.harvest_split import split_harvest
 from bench.models import build_tiny_model
-from redumix.generate.redumix import mixture_topk
+from redumix.generate.mixture import mixture_topk
 from redumix.train.loss import select_targets, sparse_gkd_loss
 from redumix.train.onpolicy import context_logits
 

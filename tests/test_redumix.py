@@ -11,10 +11,11 @@ from redumix.data.prompts import attempt_messages, redo_messages
 from redumix.data.task import Example, TaskConfig
 from redumix.data.tasks import make_task
 from redumix.generate.accounting import ForwardCounter
+from redumix.generate.mixture import mixture_topk
 from redumix.generate.model_io import stop_token_ids
 from redumix.generate.plain import generate_batch
 from redumix.generate.policy import SamplingPolicy, example_seed
-from redumix.generate.redumix import RedumixConfig, mixture_topk, redumix_generate
+from redumix.generate.redumix import RedumixConfig, redumix_generate
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 PROMPTS = ["What is 3 + 4?", "Tom has 12 apples and eats 5. How many are left?", "2 * 8 = ?"]
