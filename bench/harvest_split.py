@@ -20,15 +20,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from bench.bench_decode import TASK
-from bench.bench_peers import (
-    REAL_STAGES,
-    Redo,
-    Stages,
-    decodable_only,
-    fed_to_forward,
-    hf_harvest,
-    ours_harvest,
-)
+from bench.bench_peers import REAL_STAGES
+from bench.harvest_vs_hf import Redo, Stages, decodable_only, fed_to_forward, hf_harvest, ours_harvest
 from bench.models import embedded_tokenizer, smollm2_shape_model
 
 

@@ -84,7 +84,7 @@ def test_the_recipe_key_turns_it_on(tiny_model_dir):
 
 
 def test_the_bench_counts_compiled_steps_as_forwards(eager_and_compiled, tiny_tokenizer):
-    from bench.bench_peers import Forwards, counting
+    from bench.harvest_vs_hf import Forwards, counting
 
     pad = tiny_tokenizer.pad_token_id
     prompts = [[7, 8, 9], [10, 11]]
