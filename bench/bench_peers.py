@@ -58,11 +58,10 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 # recipe's (16), which the batch-16 keys already cover.
 RECIPE_BATCH = {"embedded": load_config(RECIPES / "tiny.yaml").harvest.batch_size,
                 "smollm2": load_config(RECIPES / "smollm2-135m-arith.yaml").harvest.batch_size}
-# The runs per shape, the recipe batch last: a smollm2 example costs ~30x an embedded one, so it gets fewer of both.
-# At batch 1, 8 examples take 1-4 s a side, yet one process's pairs ranged from 2.0 to 4.2 (compiled) on a shared
-# 2-core host, and medians of 5 from 2.2 to 2.7 between processes: so 9 pairs there. SmolLM2's batch-16 keys take
-# 1-3 minutes a pair; one pair each gave 2.23 and 1.72 in two runs, so 2, in two rounds. At the embedded recipe's
-# batch, one batch of examples takes 4-6 s a pair.
+# The runs per shape, the recipe batch last: a smollm2 example costs far more than an embedded one, so it gets fewer
+# of both. The embedded batch-1 pairs are short and spread widely within a process and between processes, so 9 of
+# them; SmolLM2's batch-16 pairs take minutes and a single pair moved a lot between runs, so 2, in two rounds
+# (docs/measurements.md, "Bench noise").
 HARVEST_RUNS = {"embedded": with_recipe_batch(((1, 8, 9), (16, 16, 5)), RECIPE_BATCH["embedded"], 5),
                 "smollm2": with_recipe_batch(((1, 1, 1),), RECIPE_BATCH["smollm2"], 2)}
 # The `_real` keys' stage lengths: the median stages of real harvests, whose caps they become. The embedded default's
@@ -121,9 +120,8 @@ def run(quick: bool = False) -> dict[str, float | int]:
         print(f"bench_peers: {key} {results[key]}", flush=True)
     del models, harvests, trainings
     # The compiled harvest last, on a fresh model, so no other key is timed in a process that has run compiled
-    # kernels. Embedded shape only: at SmolLM2's a compile takes 1-5 minutes and the compiled CPU step is slower than
-    # the eager one (a step over a 150-token cache, two runs: 116-120 against 100 ms at batch 16, 210-214 against
-    # 146-151 ms at batch 32).
+    # kernels. Embedded shape only: at SmolLM2's a compile takes minutes and the compiled CPU step was slower than the
+    # eager one (docs/measurements.md, "Compiled decoding").
     model = embedded_model(tokenizer)
     real_embedded = fixed if quick else REAL_STAGES["embedded"]
     results["compile_decoding_seconds_embedded"] = round(compile_decoding(model, tokenizer), 1)

@@ -18,7 +18,7 @@ from redumix.generate.reflective_config import ReflectiveConfig
 from redumix.generate.reflective_loop import reflective_generate
 
 REFLECT_LENGTH = 48
-REPEATS = 9  # pairs; a side takes well under a second, so `timed` repeats it to fill one
+REPEATS = 9  # pairs; a side shorter than MIN_SECONDS is repeated by `timed` to fill it
 
 
 def _config(dual_path: bool) -> ReflectiveConfig:

@@ -4,7 +4,7 @@ wall time left outside the forwards. Not a ratio, so not in `make bench`: a diag
 
 `decode_bound` is their wall time over our one-token forwards alone: the ratio the harvest would reach if all our
 prefills and everything of ours outside the forwards were free. SmolLM2-135M's shape at its recipe's batch of 16
-with real stage lengths is the default, the key that sits at the goal of 2.
+with real stage lengths is the default: the key that sat nearest the goal of 2 (docs/measurements.md).
 """
 
 from __future__ import annotations

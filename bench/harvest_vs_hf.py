@@ -210,12 +210,10 @@ def harvest_pairs(
     Python where the model is small. On a GPU, prefills are
     parallel and decode is latency-bound, so the call count rules: ≈1.3-1.4, and ≈2 only at batches large enough
     to be compute-bound. `_calls_ratio` and `_positions_ratio` count both floors as run: 1.19-1.33 and 1.7-3.2 at
-    the bench's sizes. Measured on 2 CPU cores (bench/results.json), the eager ratio follows the calls at the
-    embedded shape's batches 1 and 16 and climbs toward the positions where a forward starts to cost its rows: at
-    batch 16 on SmolLM2's shape, and at the embedded recipe's batch of 128. So the goal of 2 is out of reach
-    wherever a forward costs its call, unless our call gets cheaper than transformers' eager forward. The
-    `_compiled` keys make it so: `model.compile_decoding` runs our one-token steps through `torch.compile` (about
-    half the time a step at the embedded shape), while theirs runs as `generate` does, eagerly.
+    the bench's sizes. So the goal of 2 is out of reach wherever a forward costs its call, unless our call gets
+    cheaper than transformers' eager forward. The `_compiled` keys make it so: `model.compile_decoding` runs our
+    one-token steps through `torch.compile`, while theirs runs as `generate` does, eagerly. Where each key sat on a
+    2-core CPU, between which floors: docs/measurements.md, "Harvest against the transformers pipeline".
 
     The counts check the product. The two x2 differ wherever decoding y1 or c to text and re-tokenizing does not
     give back the sampled ids, as it rarely does for a random model (`skip_special_tokens` drops the special tokens

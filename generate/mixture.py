@@ -37,11 +37,12 @@ def mixture_topk(
         mix = torch.log_softmax(logp_x.mul_(lam).add_(logp_x2.mul_(1 - lam)), dim=-1)
     top = torch.topk(mix, min(topk, mix.shape[-1]), dim=-1)
     # float32 is enough: logsumexp sums exp(v − max) ≤ 1, so its error is float32's relative one (~1e-7) whatever
-    # the tail's size; float64 adds nothing over float32 inputs and costs 14x at a 49k vocab (its exp is scalar).
+    # the tail's size; float64 adds nothing over float32 inputs and is many times slower on a CPU, where its exp is
+    # scalar (docs/measurements.md).
     rest = mix.scatter(-1, top.indices, float("-inf"))
-    # A float32 exp whose result would be subnormal (argument < −87.3) takes a slow path: 10x at a 49k vocabulary
-    # where masked or extreme logits fill the row. Raising those terms to e^−87 relative to the largest changes the
-    # sum (≥ 1) by at most V·e^−87, far below float32's resolution; a row of −inf stays −inf.
+    # A float32 exp whose result would be subnormal (argument < −87.3) takes a slow path on a CPU, and masked or
+    # extreme logits fill the row with such terms at a large vocabulary. Raising those terms to e^−87 relative to the
+    # largest changes the sum (≥ 1) by at most V·e^−87, far below float32's resolution; a row of −inf stays −inf.
     floor = rest.amax(dim=-1, keepdim=True) - 87.0
     tail = torch.logsumexp(rest.clamp_(min=floor), dim=-1)
     return mix, top, tail

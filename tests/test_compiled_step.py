@@ -1,6 +1,6 @@
 """The compiled one-token step (`model.compile_decoding`) decodes what the eager forward decodes.
 
-Each test compiles a tiny model (tens of seconds on 2 cores the first time), so they share two compiled models.
+Compiling even a tiny model is slow the first time, so the tests share two compiled models.
 """
 
 from __future__ import annotations

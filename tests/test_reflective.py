@@ -48,7 +48,8 @@ OFTEN = ReflectiveConfig(
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    """Tiny models run on one thread: a second only adds sync cost (on 2 busy shared cores, ~60 ms a forward vs 4)."""
+    """Tiny models run on one thread: a second only adds sync cost, which dwarfs a tiny forward on busy shared cores
+    (docs/measurements.md, "Tests")."""
     with one_thread():
         yield
 
