@@ -48,9 +48,10 @@ from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages, redo_messages
 from redumix.data.shards import encode_shard, read_shard
 from redumix.data.tasks import TaskConfig, make_task
+from redumix.generate.mixture import mixture_loop
 from redumix.generate.plain import generate_batch, sample_loop
 from redumix.generate.policy import SamplingPolicy
-from redumix.generate.redumix import RedumixConfig, mixture_loop, redumix_generate
+from redumix.generate.redumix import RedumixConfig, redumix_generate
 from redumix.generate.state import clone, merge, prefill
 
 TOKENS = 48
@@ -74,11 +75,10 @@ class Pairs:
     warmed: bool = False  # the caller has run both sides once already, more cheaply than a full call
 
 
-# On this shared 2-core host the same call's time drifts by up to 50% over tens of seconds, and not by the same factor
-# on both sides: within one process, the median of 3 pairs of `redo_vs_hf_cfg_embedded_b1` was 2.25 and, seconds
-# later, 1.74 (transformers' side moved 35%, ours 4%). Pairs taken back to back sample one such stretch, so two runs
-# could disagree by 30% on a key. Spread over `ROUNDS` passes through every key, each key samples the same mix of
-# stretches as the others do, and as it does in another run.
+# On a shared host the same call's time drifts over tens of seconds, and not by the same factor on both sides, so
+# pairs taken back to back sample one such stretch and two runs can disagree on a key (docs/measurements.md, "Bench
+# noise"). Spread over `ROUNDS` passes through every key, each key samples the same mix of stretches as the others
+# do, and as it does in another run.
 ROUNDS = 3
 
 
@@ -106,8 +106,8 @@ def median_ratio(
     return round_robin({"": Pairs(numerator, denominator, repeats, warmed=not warmup)}, rounds=1)[""]
 
 
-# A timing shorter than this is repeated until it is not, and averaged. At batch 1 the embedded model decodes a call in
-# tens of milliseconds, and two runs of such single-call timings on a shared 2-core host differed by up to 30%.
+# A timing shorter than this is repeated until it is not, and averaged: single calls of the embedded model at batch 1
+# are too short to time alike in two runs on a shared host (docs/measurements.md, "Bench noise").
 MIN_SECONDS = 1.0
 
 
@@ -232,7 +232,7 @@ def batched_harvest_speedup(model, tokenizer, n: int = 16) -> Pairs:
                                  lambda i, a, part=part: TASK.feedback(a, part[i]))
         return timed(go)
 
-    # Pairs in one process ranged from 8.0 to 10.0 (the b16 side, about 1 s, moves by 15%): the median of 5.
+    # The b16 side is short and moves with the host's noise: the median of 5 pairs (docs/measurements.md).
     return Pairs(lambda: run(1), lambda: run(16), 5)  # time at b1 / time at b16 == speedup
 
 
@@ -292,7 +292,7 @@ def run() -> dict[str, float | str]:
         "baseline_vs_hf_generate_smollm2_b1": baseline_vs_hf_generate(smollm2, tokenizer, 1, repeats=3),
         "baseline_vs_hf_generate_smollm2_b16": baseline_vs_hf_generate(smollm2, tokenizer, 16, repeats=4),
         "batched_harvest_speedup": batched_harvest_speedup(model, tokenizer),
-        # 6 pairs at the embedded shape, where a pair takes 2-3 s; 3 at SmolLM2's, where it takes tens.
+        # 6 pairs at the embedded shape, where a pair is cheap; 3 at SmolLM2's, where it costs many times more.
         "redo_vs_hf_cfg_embedded_b1": redo_vs_hf_cfg(model, tokenizer, 1, repeats=6),
         "redo_vs_hf_cfg_embedded_b16": redo_vs_hf_cfg(model, tokenizer, 16, repeats=6),
         "redo_vs_hf_cfg_smollm2_b1": redo_vs_hf_cfg(smollm2, tokenizer, 1),

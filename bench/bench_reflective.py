@@ -14,10 +14,11 @@ from __future__ import annotations
 from bench.bench_decode import Pairs, round_robin, timed
 from bench.models import embedded_model, embedded_tokenizer
 from redumix.generate.policy import SamplingPolicy
-from redumix.generate.reflective import ReflectiveConfig, reflective_generate
+from redumix.generate.reflective_config import ReflectiveConfig
+from redumix.generate.reflective_loop import reflective_generate
 
 REFLECT_LENGTH = 48
-REPEATS = 9  # pairs; a side takes well under a second, so `timed` repeats it to fill one
+REPEATS = 9  # pairs; a side shorter than MIN_SECONDS is repeated by `timed` to fill it
 
 
 def _config(dual_path: bool) -> ReflectiveConfig:

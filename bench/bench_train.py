@@ -23,7 +23,7 @@ from redumix.train.loss import select_targets, sparse_gkd_loss
 
 REPEATS = 5
 TOP_K = 32
-BF16 = False  # as the tiny recipe trains: this CPU has no native bf16, autocast would be emulated
+BF16 = False  # as the tiny recipe trains: a CPU without native bf16 emulates autocast
 TOKENIZER = embedded_tokenizer()
 
 

@@ -41,8 +41,8 @@ SCHEMA = pa.schema(
     ]
 )
 COLUMNS = SCHEMA.names
-# Measured on the tiny recipe's 2,048-row harvest with the tail column: level 1 (Arrow's default) 102.8 bytes per
-# redo token, level 6 88.1, at 0.4 s of extra CPU for the whole harvest.
+# Level 6 rather than Arrow's default 1: about a seventh fewer bytes per redo token on the tiny recipe's harvest, for
+# CPU time that is negligible next to decoding (docs/measurements.md, "Shard compression").
 ZSTD_LEVEL = 6
 OPTIONAL_COLUMNS = {"mix_tail_logprob", "x2_token_ids"}  # absent from shards of earlier versions (still readable)
 

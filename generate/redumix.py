@@ -1,13 +1,13 @@
 """ReDuMix: attempt, feedback, reflection, then decoding under a per-token mixture
-of two contexts, p_mix = softmax(λ·log p(·|x, y<t) + (1−λ)·log p(·|x2, y<t)).
+of two contexts, p_mix = softmax(λ·log p(·|x, y<t) + (1−λ)·log p(·|x2, y<t)). This module stages the four steps
+on one growing cache and holds the eval decoder; the mixture and its decode loop are in mixture.py.
 
 How it differs from the seed's Algorithm 1, and why:
 - One KV cache per example grows through the stages: x, then y1, then r + REFLECT, then c, then REDO. The cache
   that stage 1 built is the prefix of x2, never re-encoded. Context x is a copy of the cache taken right after x's
   prefill, so the redo's two contexts cost nothing extra to set up.
-- Both contexts of every example go through one batched forward pass per token (2B rows: B for x, B for x2).
-- Policy filters (temperature, top-p, top-k) apply to the mixture, not to each context, so λ=1 reproduces plain
-  decoding exactly and λ=0 reproduces decoding from x2 exactly. The stored top-k is that of p_mix itself.
+- Both contexts of every example go through one batched forward pass per token, and policy filters apply to the
+  mixture, not to each context (mixture.py, which holds the redo's decode loop). The stored top-k is that of p_mix.
 - When x2 would not fit the model's window, the earliest part of y1 is cut and replaced by a short note (not a
   model-written summary: it costs no tokens and keeps the later, most relevant steps). `meta` records the cut.
 """
@@ -27,10 +27,11 @@ from redumix.data.prompts import REDO, attempt_messages, critique_messages, redo
 from redumix.data.task import Example, Task
 from redumix.generate.accounting import Usage
 from redumix.generate.decoder import Decoded, Model, Tokenizer
-from redumix.generate.loop import Choice, Generation, decode_loop
+from redumix.generate.loop import Generation
+from redumix.generate.mixture import mixture_loop
 from redumix.generate.model_io import stop_token_ids
 from redumix.generate.plain import sample_loop
-from redumix.generate.policy import SamplingPolicy, example_seed, policy_logprobs, sample_tokens
+from redumix.generate.policy import SamplingPolicy, example_seed
 from redumix.generate.state import DecodeState, clone, extend, merge, prefill, select
 
 COMPRESSION_NOTE = "(earlier steps omitted) "
@@ -116,13 +117,12 @@ def redumix_generate(
     feedback: FeedbackFn | None,
 ) -> list[RedumixResult]:
     """Run the four ReDuMix stages on a batch of prompts. Each example's noise derives from `seed` and its id."""
-    lam = config.lam
     pad_id = tokenizer.pad_token_id
     seeds = {stage: _seeds(seed, example_ids, stage) for stage in ("attempt", "critique", "reflect", "redo")}
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     usage = [Usage() for _ in prompts]
 
-    # --- stage 1: y1 = generate(x), keeping the cache ---
+    # --- stage 1: y1 = generate(x), keeping the cache; x's own cache is kept aside as the redo's first context ---
     x_ids = [template_pieces(tokenizer, attempt_messages(p))[0] for p in prompts]
     state = prefill(model, x_ids, pad_id)
     x_context = clone(state)
@@ -136,21 +136,8 @@ def redumix_generate(
 
     # --- stage 2: feedback r ---
     if feedback is None:
-        critiques = _continue(
-            model,
-            tokenizer,
-            clone(state),
-            attempts,
-            y1,
-            stop_ids,
-            policy,
-            seeds["critique"],
-            [template_pieces(tokenizer, critique_messages(p, t))[-1] for p, t in zip(prompts, y1_text, strict=True)],
-            config.critique_max_tokens,
-            usage,
-            keep_state=False,
-        )[0]
-        r_text = [decode(g.content_ids(stop_ids)) for g in critiques]
+        r_text = _critiques(model, tokenizer, state, attempts, y1, prompts, y1_text, config, policy,
+                            seeds["critique"], stop_ids, usage)
     else:
         r_text = [feedback(i, t) for i, t in enumerate(y1_text)]
 
@@ -162,19 +149,8 @@ def redumix_generate(
     )
     y1_in_context = [ids[n:] for ids, n in zip(y1, cut, strict=True)]
     reflections, state = _continue(
-        model,
-        tokenizer,
-        state,
-        attempts,
-        y1_in_context,
-        stop_ids,
-        policy,
-        seeds["reflect"],
-        reflect_pieces,
-        config.reflection_max_tokens,
-        usage,
-        keep_state=True,
-        cut=cut,
+        model, tokenizer, state, attempts, y1_in_context, stop_ids, policy, seeds["reflect"], reflect_pieces,
+        config.reflection_max_tokens, usage, keep_state=True, cut=cut,
     )
     c = [g.content_ids(stop_ids) for g in reflections]
     c_text = [decode(ids) for ids in c]
@@ -187,56 +163,103 @@ def redumix_generate(
     for u, seg in zip(usage, segments, strict=True):
         u.prefill_tokens += len(seg)
         u.fpe += len(seg)
-    x2_lengths = state.lengths.tolist()
     x2_ids = [
         _x2_prefix(x, ids, n, tokenizer) + tpl_reflect + ct + tpl_redo
         for x, ids, n, tpl_reflect, ct, tpl_redo in zip(
             x_ids, y1_in_context, cut, reflect_pieces, c, redo_pieces, strict=True
         )
     ]
-    redo = mixture_loop(model, x_context, state, lam, config.topk, policy, seeds["redo"], stop_ids)
+    stages = _Stages(x_ids, attempts, y1, y1_text, r_text, reflections, c, c_text, cut, x2_ids,
+                     state.lengths.tolist())
+    redo = mixture_loop(model, x_context, state, config.lam, config.topk, policy, seeds["redo"], stop_ids)
+    mode = "self" if feedback is None else config.feedback
+    return [_result(stages, i, products, usage[i], config.lam, mode, decode, stop_ids)
+            for i, products in enumerate(redo)]
 
-    results = []
-    for i, (gen, topk_ids, topk_lp, tail_lp) in enumerate(redo):
-        usage[i].fpe += gen.usage.fpe
-        usage[i].generated_tokens = sum(len(g.token_ids) for g in (attempts[i], reflections[i], gen))
-        usage[i].visible_tokens = len(gen.token_ids)
-        results.append(
-            RedumixResult(
-                original=y1_text[i],
-                original_ids=y1[i],
-                feedback=r_text[i],
-                reflection=c_text[i],
-                reflection_ids=c[i],
-                redo=decode(gen.content_ids(stop_ids)),
-                redo_token_ids=gen.token_ids,
-                topk_ids=topk_ids,
-                topk_logprobs=topk_lp,
-                tail_logprobs=tail_lp,
-                x2_ids=x2_ids[i],
-                usage=usage[i],
-                meta={
-                    "lam": lam,
-                    "feedback": "self" if feedback is None else config.feedback,
-                    "tokens": {
-                        "x": len(x_ids[i]),
-                        "x2": x2_lengths[i],
-                        "original": len(attempts[i].token_ids),
-                        "reflection": len(reflections[i].token_ids),
-                        "redo": len(gen.token_ids),
-                    },
-                    "finished": {
-                        "original": attempts[i].finished,
-                        "reflection": reflections[i].finished,
-                        "redo": gen.finished,
-                    },
-                    "y1_compressed_tokens": cut[i],
-                    "fpe": usage[i].fpe,
-                    "prefill_tokens": usage[i].prefill_tokens,
-                },
-            )
-        )
-    return results
+
+@dataclass
+class _Stages:
+    """What stages 1-3 made and how x2 was built, per example of the batch."""
+
+    x_ids: list[list[int]]
+    attempts: list[Generation]
+    y1: list[list[int]]
+    y1_text: list[str]
+    r_text: list[str]
+    reflections: list[Generation]
+    c: list[list[int]]
+    c_text: list[str]
+    cut: list[int]  # tokens of y1 cut to fit the window
+    x2_ids: list[list[int]]
+    x2_lengths: list[int]  # positions the cache holds for x2
+
+
+def _result(
+    stages: _Stages,
+    i: int,
+    redo: tuple[Generation, list[list[int]], list[list[float]], list[float]],
+    usage: Usage,
+    lam: float,
+    feedback: str,
+    decode: Callable[[list[int]], str],
+    stop_ids: Sequence[int],
+) -> RedumixResult:
+    """Example i's result, its usage completed with the redo."""
+    gen, topk_ids, topk_lp, tail_lp = redo
+    attempt, reflection = stages.attempts[i], stages.reflections[i]
+    usage.fpe += gen.usage.fpe
+    usage.generated_tokens = sum(len(g.token_ids) for g in (attempt, reflection, gen))
+    usage.visible_tokens = len(gen.token_ids)
+    return RedumixResult(
+        original=stages.y1_text[i],
+        original_ids=stages.y1[i],
+        feedback=stages.r_text[i],
+        reflection=stages.c_text[i],
+        reflection_ids=stages.c[i],
+        redo=decode(gen.content_ids(stop_ids)),
+        redo_token_ids=gen.token_ids,
+        topk_ids=topk_ids,
+        topk_logprobs=topk_lp,
+        tail_logprobs=tail_lp,
+        x2_ids=stages.x2_ids[i],
+        usage=usage,
+        meta={
+            "lam": lam,
+            "feedback": feedback,
+            "tokens": {
+                "x": len(stages.x_ids[i]),
+                "x2": stages.x2_lengths[i],
+                "original": len(attempt.token_ids),
+                "reflection": len(reflection.token_ids),
+                "redo": len(gen.token_ids),
+            },
+            "finished": {"original": attempt.finished, "reflection": reflection.finished, "redo": gen.finished},
+            "y1_compressed_tokens": stages.cut[i],
+            "fpe": usage.fpe,
+            "prefill_tokens": usage.prefill_tokens,
+        },
+    )
+
+
+def _critiques(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    state: DecodeState,
+    attempts: list[Generation],
+    y1: list[list[int]],
+    prompts: Sequence[str],
+    y1_text: list[str],
+    config: RedumixConfig,
+    policy: SamplingPolicy,
+    seeds: torch.Tensor,
+    stop_ids: Sequence[int],
+    usage: list[Usage],
+) -> list[str]:
+    """Self-feedback: the model critiques its own attempt, on a copy of the cache (the reflection goes on from y1)."""
+    pieces = [template_pieces(tokenizer, critique_messages(p, t))[-1] for p, t in zip(prompts, y1_text, strict=True)]
+    critiques, _ = _continue(model, tokenizer, clone(state), attempts, y1, stop_ids, policy, seeds, pieces,
+                             config.critique_max_tokens, usage, keep_state=False)
+    return [tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True) for g in critiques]
 
 
 def _x2_prefix(x: list[int], y1: list[int], cut: int, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -329,66 +352,6 @@ def _fit_window(
     order = keep + redo_rows
     merged = merge(parts)
     return select(merged, [order.index(i) for i in range(len(order))]), cut
-
-
-def mixture_topk(
-    logits_x: torch.Tensor, logits_x2: torch.Tensor, lam: float, topk: int
-) -> tuple[torch.Tensor, torch.return_types.topk, torch.Tensor]:
-    """log p_mix from each context's logits (N, V), its top-k, and the log of its mass outside the top-k.
-
-    The harvest's decode loop and the on-policy teacher (train/onpolicy.py, row by row, each row with its own λ) both
-    call this, so the live target is the stored one. The tail is a logsumexp over the other ids, not 1 − Σp, which
-    cancels when the top-k holds nearly all the mass.
-    """
-    logp_x, logp_x2 = torch.log_softmax(logits_x.float(), dim=-1), torch.log_softmax(logits_x2.float(), dim=-1)
-    if lam in (0, 1):  # exact, and no 0·−inf = NaN: λ=1 is plain decoding from x, λ=0 from x2
-        mix = logp_x if lam == 1 else logp_x2
-    else:
-        # In place on the fresh log-softmaxes, and not torch.lerp, whose a + w·(b − a) turns an id that both
-        # contexts rule out (−inf) into NaN.
-        mix = torch.log_softmax(logp_x.mul_(lam).add_(logp_x2.mul_(1 - lam)), dim=-1)
-    top = torch.topk(mix, min(topk, mix.shape[-1]), dim=-1)
-    # float32 is enough: logsumexp sums exp(v − max) ≤ 1, so its error is float32's relative one (~1e-7) whatever
-    # the tail's size; float64 adds nothing over float32 inputs and costs 14x at a 49k vocab (its exp is scalar).
-    rest = mix.scatter(-1, top.indices, float("-inf"))
-    # A float32 exp whose result would be subnormal (argument < −87.3) takes a slow path: 10x at a 49k vocabulary
-    # where masked or extreme logits fill the row. Raising those terms to e^−87 relative to the largest changes the
-    # sum (≥ 1) by at most V·e^−87, far below float32's resolution; a row of −inf stays −inf.
-    floor = rest.amax(dim=-1, keepdim=True) - 87.0
-    tail = torch.logsumexp(rest.clamp_(min=floor), dim=-1)
-    return mix, top, tail
-
-
-def mixture_loop(
-    model: PreTrainedModel,
-    x_context: DecodeState,
-    x2_context: DecodeState,
-    lam: float,
-    topk: int,
-    policy: SamplingPolicy,
-    seeds: torch.Tensor,
-    stop_ids: Sequence[int],
-    max_new_tokens: int | None = None,
-) -> list[tuple[Generation, list[list[int]], list[list[float]], list[float]]]:
-    """Decode B examples from the mixture of their two contexts, one batched forward of 2B rows per token.
-
-    Returns, per example, the generation and, at every emitted token, the top-k ids and log-probs of p_mix and
-    the log of its mass outside the top-k. That tail is a logsumexp over the other ids, not 1 − Σp:
-    the difference cancels when the top-k holds nearly all the mass.
-    """
-
-    def choose(logits: torch.Tensor, live: torch.Tensor, step: int) -> Choice:
-        half = logits.shape[0] // 2  # rows 0..n-1 hold x, rows n..2n-1 hold x2
-        mix, top, tail = mixture_topk(logits[:half], logits[half:], lam, topk)
-        if policy.greedy:
-            tokens = mix.argmax(dim=-1)
-        else:
-            tokens = sample_tokens(policy_logprobs(mix, policy), policy, seeds.to(live.device)[live], step)
-        return Choice(tokens, (top.indices, top.values, tail))
-
-    state = merge([x_context, x2_context])
-    result = decode_loop(model, state, choose, stop_ids, max_new_tokens or policy.max_new_tokens, contexts=2)
-    return [(gen, *logged) for gen, logged in zip(result.generations, result.logged, strict=True)]
 
 
 # --- the decoder ----------------------------------------------------------------------------------------------------

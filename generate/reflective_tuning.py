@@ -1,7 +1,7 @@
 """Tuning Reflective Decoding: the gate's calibration to a target rate, the choice of the stop rule, and ablations
 matched to a gated run.
 
-All of them run the decoder in `reflective.py` through a callable they are given; none changes how it decodes.
+All of them run the decode loop in `reflective_loop.py` through a callable they are given; none changes how it decodes.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from redumix.generate.reflective import STOP_RULES, ReflectiveConfig, ReflectiveResult, StopRule
+from redumix.generate.reflective_config import STOP_RULES, ReflectiveConfig, StopRule
+from redumix.generate.reflective_loop import ReflectiveResult
 
 
 @dataclass

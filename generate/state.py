@@ -267,9 +267,9 @@ def use_compiled_decoding(model: PreTrainedModel) -> None:
     """From now on, every one-token step on `model` runs through `torch.compile(model.forward)`.
 
     A decode step of a small model is mostly the per-op cost of transformers' eager forward, which compiling fuses
-    away: about 2x faster a step at the embedded shape on a CPU. The price is a compile of 30-60 s for a small model
-    (minutes for a 30-layer one) the first time, once for a batch of 1 and once for any larger batch (the batch and
-    cache lengths are dynamic, so compaction and a growing cache do not recompile).
+    away, so a step at the embedded shape gets faster (docs/measurements.md, "Compiled decoding"). The price is a
+    one-off compile, far longer for a 30-layer model, once for a batch of 1 and once for any larger batch (the batch
+    and cache lengths are dynamic, so compaction and a growing cache do not recompile).
     """
     setattr(model, COMPILED_FORWARD, torch.compile(model.forward, dynamic=True))
 

@@ -20,13 +20,9 @@ from redumix.data.tasks import make_task
 from redumix.embedded.stage import ensure_base
 from redumix.generate.decoder import attempt_prompts, example_seeds
 from redumix.generate.model_io import load_model, stop_token_ids
-from redumix.generate.reflective import (
-    STOP_RULES,
-    ReflectiveConfig,
-    ReflectiveResult,
-    reflective_generate,
-    resolve_markers,
-)
+from redumix.generate.reflective_config import STOP_RULES, ReflectiveConfig
+from redumix.generate.reflective_loop import ReflectiveResult, reflective_generate
+from redumix.generate.reflective_markers import resolve_markers
 from redumix.generate.reflective_tuning import calibrate_tau, choose_stop
 from redumix.pipeline.config import Config
 from redumix.pipeline.run import RunDir, log_metrics, model_path, print0

@@ -50,7 +50,7 @@ def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
     folder = run.root / "evidence"
     plan = [(arm, seed) for arm in ev.main_arms for seed in ev.seeds]
     plan += [(arm, ev.seeds[0]) for arm in ev.other_arms if arm not in ev.main_arms]
-    measure(config, RunDir(folder / "base"), base, checkpoint="base")
+    eval_greedy_and_drift(config, RunDir(folder / "base"), base, checkpoint="base")
     steps = 0  # every arm trains as many steps as the first one did (the mixture arm, seed 0, in the default plan)
     for arm, seed in plan:
         harvest = harvest_for(config, run, ARMS[arm].harvest)
@@ -61,7 +61,7 @@ def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
         atomic_write_text(here.config, config_to_yaml(settings))
         trained = run_train(settings, here)
         steps = steps or trained["steps"]
-        measure(settings, here, here.train / "merged", checkpoint="tuned", base=base)
+        eval_greedy_and_drift(settings, here, here.train / "merged", checkpoint="tuned", base=base)
     summary = summarize_evidence(config, folder, plan)
     atomic_write_json(folder / "evidence.json", summary)
     atomic_write_text(folder / "evidence.md", evidence_markdown(summary))
@@ -99,7 +99,9 @@ def arm_config(config: Config, base: Path, harvest: Path, arm: str, seed: int, s
 # --- measuring one model ----------------------------------------------------------------------------------------
 
 
-def measure(config: Config, here: RunDir, model: Path, checkpoint: str, base: Path | None = None) -> None:
+def eval_greedy_and_drift(
+    config: Config, here: RunDir, model: Path, checkpoint: str, base: Path | None = None
+) -> None:
     """Greedy on the test split and on the held-out variant, and (for a tuned model) its drift from the base."""
     ev = config.evidence
     greedy_only = dataclasses.replace(config.eval, decoders=["greedy"], tuned_decoders=[], n=ev.n, n_other=ev.n,

@@ -102,7 +102,7 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
         harvest_shards(config, run, task, examples, todo)
     barrier()
     if rank() == 0:
-        manifest = summarize(config, out, n_shards, fingerprint)
+        manifest = harvest_manifest(config, out, n_shards, fingerprint)
         atomic_write_json(manifest_path, manifest)  # last: its presence means the stage is complete
         log_metrics(run, "harvest", **{k: v for k, v in manifest.items() if isinstance(v, (int, float))})
         print0(format_summary(manifest))
@@ -298,7 +298,8 @@ def check_harvest(folder: Path) -> None:
         )
 
 
-def summarize(config: Config, out: Path, n_shards: int, fingerprint: str) -> dict:
+def harvest_manifest(config: Config, out: Path, n_shards: int, fingerprint: str) -> dict:
+    """manifest.json's content: the shards with their rows and hashes, and the harvest's totals over every row."""
     paths = [out / shard_name(k) for k in range(n_shards)]
     missing = [p.name for p in paths if not p.exists()]
     if missing:

@@ -1,9 +1,9 @@
-"""Shared fixtures: tiny random chat models built in-process (no network, no downloaded weights)."""
+"""Shared fixtures: tiny random chat models (built by bench/models.py, in-process, no network) and helpers that
+bound a test's threads and kill a run at a point of its own progress."""
 
 from __future__ import annotations
 
 import signal
-import string
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -11,14 +11,8 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-SPECIALS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|reflect|>", "<|/reflect|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+from bench.models import build_tiny_model, build_tiny_tokenizer
 
 
 @contextmanager
@@ -48,49 +42,6 @@ def kill_when(process: subprocess.Popen, ready: Callable[[], bool], timeout: flo
         time.sleep(0.02)
     process.send_signal(signal.SIGKILL)
     assert process.wait() == -signal.SIGKILL, "the process finished before the kill: nothing was interrupted"
-
-
-def build_tiny_tokenizer(specials: list[str] = SPECIALS) -> PreTrainedTokenizerFast:
-    """A character-level tokenizer with a chat template whose turn markers are single special ids.
-
-    `specials` starts with pad, end, user, assistant; what follows are extra single-id special tokens.
-    """
-    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
-    vocab = {tok: i for i, tok in enumerate([*specials, *chars, "<|unk|>"])}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token="<|pad|>",
-        eos_token="<|end|>",
-        unk_token="<|unk|>",
-        additional_special_tokens=specials[2:],
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.padding_side = "left"
-    return tokenizer
-
-
-def build_tiny_model(tokenizer, arch: str = "qwen2", seed: int = 0, max_positions: int = 2048, hidden: int = 32):
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=2 * hidden,
-        max_position_embeddings=max_positions,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
-    if arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    return model.eval()
 
 
 @pytest.fixture(scope="session")

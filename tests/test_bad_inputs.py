@@ -11,15 +11,22 @@ import json
 import os
 import re
 import shutil
-import string
 from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
+from bench.models import (
+    SPECIALS,
+    TINY_CHAT_TEMPLATE,
+    TINY_SPLIT,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    build_train_tokenizer,
+    char_tokenizer,
+    tiny_vocab,
+)
 from redumix.data.chat import prompt_ids
 from redumix.data.gsm8k import Gsm8kConfig
 from redumix.data.prompts import attempt_messages
@@ -33,8 +40,7 @@ from redumix.pipeline.resolve import ConfigError
 from redumix.pipeline.run import RunDir
 from redumix.pipeline.train import run_train
 from redumix.train.data import is_heldout
-from tests.conftest import CHAT_TEMPLATE, SPECIALS, build_tiny_model, build_tiny_tokenizer
-from tests.train_fixtures import tiny_tokenizer, write_base, write_harvest
+from tests.train_fixtures import write_base, write_harvest
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "tiny.yaml")
@@ -216,13 +222,8 @@ def test_model_folder_without_chat_template(tmp_path, capsys, tiny_model_dir):
     ids=["llama-neither", "qwen2-default-outside-vocab"],
 )
 def test_tokenizer_without_pad_or_eos(tmp_path, arch, message):
-    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
-    vocab = {tok: i for i, tok in enumerate([*SPECIALS, *chars, "<|unk|>"])}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<|unk|>")  # no pad, no eos
-    tokenizer.chat_template = CHAT_TEMPLATE
+    # The tests' tiny tokenizer with no pad and no eos token.
+    tokenizer = char_tokenizer(tiny_vocab(SPECIALS), TINY_SPLIT, TINY_CHAT_TEMPLATE, unk_token="<|unk|>")
     model_dir = tmp_path / "no-eos"
     build_tiny_model(tokenizer, arch=arch).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
@@ -443,7 +444,7 @@ def test_x2_longer_than_the_window_compresses_the_attempt(tmp_path, tiny_model_d
 
 def test_redo_longer_than_max_length_is_cut_to_fit(tmp_path):
     run_dir = fixture_run(tmp_path, n_rows=8, length=24)
-    prompt = len(prompt_ids(tiny_tokenizer(), attempt_messages("What is 1 + 1?")))  # every fixture prompt: 17
+    prompt = len(prompt_ids(build_train_tokenizer(), attempt_messages("What is 1 + 1?")))  # every fixture prompt: 17
     held = sum(is_heldout(f"t-{i:05d}", 0.5) for i in range(8))
     before = snapshot(run_dir / "harvest")
     config = load_config(RECIPE, [f"model.path={run_dir / 'base'}", *TRAIN_FAST, "train.heldout_fraction=0.5",

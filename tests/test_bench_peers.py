@@ -1,5 +1,5 @@
-"""bench/bench_peers.py at toy sizes: both sides of each comparison make the same product, so the ratios time the
-same work."""
+"""bench/bench_peers.py's comparisons (harvest_vs_hf.py, gkd_vs_trl.py) at toy sizes: both sides of each comparison
+make the same product, so the ratios time the same work."""
 
 from __future__ import annotations
 
@@ -9,24 +9,22 @@ from types import SimpleNamespace
 import torch
 
 from bench.bench_decode import median_ratio
-from bench.bench_peers import (
+from bench.bench_peers import with_recipe_batch
+from bench.gkd_vs_trl import LiveMixtureGKDTrainer, _training_rows, gkd_offline_vs_trl_live_teacher
+from bench.harvest_split import split_harvest
+from bench.harvest_vs_hf import (
     Forwards,
-    LiveMixtureGKDTrainer,
     Stages,
-    _training_rows,
     counting,
-    gkd_offline_vs_trl_live_teacher,
     harvest_vs_hf_pipeline,
     hf_harvest,
     hf_redo,
     ours_harvest,
-    with_recipe_batch,
 )
-from bench.harvest_split import split_harvest
-from redumix.generate.redumix import mixture_topk
+from bench.models import build_tiny_model
+from redumix.generate.mixture import mixture_topk
 from redumix.train.loss import select_targets, sparse_gkd_loss
 from redumix.train.onpolicy import context_logits
-from tests.conftest import build_tiny_model
 
 PROMPTS = ["Tom has 12 apples and eats 5. How many are left?", "2 + 2?", "Ann buys 3 pens at 4 each. Cost?"]
 

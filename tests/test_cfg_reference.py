@@ -9,8 +9,8 @@ import torch
 
 from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages, redo_messages
+from redumix.generate.mixture import mixture_loop
 from redumix.generate.policy import SamplingPolicy
-from redumix.generate.redumix import mixture_loop
 from redumix.generate.state import prefill
 
 STEPS = 16

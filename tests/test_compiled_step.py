@@ -1,6 +1,6 @@
 """The compiled one-token step (`model.compile_decoding`) decodes what the eager forward decodes.
 
-Each test compiles a tiny model (tens of seconds on 2 cores the first time), so they share two compiled models.
+Compiling even a tiny model is slow the first time, so the tests share two compiled models.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from bench.models import build_tiny_model
 from redumix.generate.loop import Choice, decode_prompts
 from redumix.generate.model_io import ModelConfig, load_model
 from redumix.generate.state import (
@@ -20,7 +21,6 @@ from redumix.generate.state import (
     prefill,
     use_compiled_decoding,
 )
-from tests.conftest import build_tiny_model
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
@@ -84,7 +84,7 @@ def test_the_recipe_key_turns_it_on(tiny_model_dir):
 
 
 def test_the_bench_counts_compiled_steps_as_forwards(eager_and_compiled, tiny_tokenizer):
-    from bench.bench_peers import Forwards, counting
+    from bench.harvest_vs_hf import Forwards, counting
 
     pad = tiny_tokenizer.pad_token_id
     prompts = [[7, 8, 9], [10, 11]]

@@ -134,8 +134,8 @@ def test_two_processes_give_the_report_rows_of_one(tmp_path, model_dir):
         two_records, one_records = untimed(path), untimed(tmp_path / "one" / "eval" / "generations" / path.name)
         assert [without_extra(r) for r in two_records] == [without_extra(r) for r in one_records]
         # `extra` holds float diagnostics (reflective decoding's entropy deltas, a difference of two near-equal
-        # entropies) that a rank's smaller batch moves by float32 rounding on some CPUs: 1.88e-4 against 1.88e-4
-        # ± 6e-8 on an AMD EPYC host. Every token, answer and count above is equal.
+        # entropies) that a rank's smaller batch moves by float32 rounding on some CPUs (docs/measurements.md,
+        # "Tests", has the size seen). Every token, answer and count above is equal.
         for two_record, one_record in zip(two_records, one_records, strict=True):
             assert close(two_record.get("extra", {}), one_record.get("extra", {})), two_record["id"]
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from bench.models import build_tiny_model
 from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages
 from redumix.generate.model_io import stop_token_ids
@@ -19,7 +20,6 @@ from redumix.pipeline.run import RunDir
 from redumix.pipeline.train import run_train
 from redumix.train.onpolicy import LiveMixtureTeacher
 from redumix.train.trainer import SparseGKDTrainer
-from tests.conftest import build_tiny_model
 from tests.test_redumix import IDS, PROMPTS, run
 from tests.train_fixtures import write_base, write_harvest
 

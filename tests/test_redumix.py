@@ -4,17 +4,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.models import build_tiny_model
 from redumix.data.chat import prompt_ids, template_pieces
 from redumix.data.gsm8k import load_gsm8k
 from redumix.data.prompts import attempt_messages, redo_messages
 from redumix.data.task import Example
 from redumix.data.tasks import TaskConfig, make_task
 from redumix.generate.accounting import ForwardCounter
+from redumix.generate.mixture import mixture_topk
 from redumix.generate.model_io import stop_token_ids
 from redumix.generate.plain import generate_batch
 from redumix.generate.policy import SamplingPolicy, example_seed
-from redumix.generate.redumix import RedumixConfig, mixture_topk, redumix_generate
-from tests.conftest import build_tiny_model
+from redumix.generate.redumix import RedumixConfig, redumix_generate
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 PROMPTS = ["What is 3 + 4?", "Tom has 12 apples and eats 5. How many are left?", "2 * 8 = ?"]

@@ -14,29 +14,23 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from bench.models import build_tiny_model, build_tiny_tokenizer
 from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages
 from redumix.generate.accounting import ForwardCounter, Usage
 from redumix.generate.plain import generate_batch
 from redumix.generate.policy import SamplingPolicy
-from redumix.generate.reflective import (
-    STOP_RULES,
-    ReflectiveConfig,
-    ReflectiveResult,
-    at_trigger_point,
-    peek_agrees,
-    reflective_generate,
-    resolve_markers,
-    settle_peeks,
-    step_with_peek,
-    uncertainty,
-)
+from redumix.generate.reflective_config import STOP_RULES, ReflectiveConfig
+from redumix.generate.reflective_loop import ReflectiveResult, reflective_generate
+from redumix.generate.reflective_markers import resolve_markers
+from redumix.generate.reflective_rules import at_trigger_point, peek_agrees, uncertainty
+from redumix.generate.reflective_step import settle_peeks, step_with_peek
 from redumix.generate.reflective_tuning import calibrate_tau, choose_stop, matched_ablations
 from redumix.generate.state import clone, prefill
 from redumix.pipeline import calibrate
 from redumix.pipeline.config import load_config
 from redumix.pipeline.run import RunDir
-from tests.conftest import build_tiny_model, build_tiny_tokenizer, one_thread
+from tests.conftest import one_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +48,8 @@ OFTEN = ReflectiveConfig(
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    """Tiny models run on one thread: a second only adds sync cost (on 2 busy shared cores, ~60 ms a forward vs 4)."""
+    """Tiny models run on one thread: a second only adds sync cost, which dwarfs a tiny forward on busy shared cores
+    (docs/measurements.md, "Tests")."""
     with one_thread():
         yield
 

@@ -12,7 +12,7 @@ import pytest
 from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages
 from redumix.generate.model_io import load_model, stop_token_ids
-from redumix.generate.reflective import resolve_markers
+from redumix.generate.reflective_markers import resolve_markers
 from redumix.pipeline.config import load_config
 from redumix.pipeline.decoders import DEFAULT_DECODERS
 from redumix.pipeline.eval import run_eval

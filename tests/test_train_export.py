@@ -9,10 +9,11 @@ import torch
 from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
 
+from bench.models import build_train_model, build_train_tokenizer
 from redumix.pipeline.config import load_config
 from redumix.pipeline.export import run_export
 from redumix.pipeline.run import RunDir
-from tests.train_fixtures import tiny_model, tiny_tokenizer, write_harvest
+from tests.train_fixtures import write_harvest
 
 
 def test_export_then_dpo_two_steps(tmp_path: Path) -> None:
@@ -28,15 +29,15 @@ def test_export_then_dpo_two_steps(tmp_path: Path) -> None:
     assert load_config(run.root / "export" / "config.yaml") == load_config(None)  # the resolved config beside them
     assert run_export(load_config(None), run) == result  # complete: skipped
 
-    tokenizer = tiny_tokenizer()
-    model = tiny_model(len(tokenizer), seed=3)
+    tokenizer = build_train_tokenizer()
+    model = build_train_model(len(tokenizer), seed=3)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     dataset = Dataset.from_list([{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in pairs])
     args = DPOConfig(
         output_dir=str(tmp_path / "dpo"), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2,
         use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1,
     )
-    reference = tiny_model(len(tokenizer), seed=3)  # the same init: DPO's frozen reference
+    reference = build_train_model(len(tokenizer), seed=3)  # the same init: DPO's frozen reference
     trainer = DPOTrainer(
         model=model, ref_model=reference, args=args, train_dataset=dataset, processing_class=tokenizer
     )

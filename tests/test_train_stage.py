@@ -10,12 +10,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, TrainerCallback
 
+from bench.models import build_train_tokenizer
 from redumix.pipeline.config import load_config
 from redumix.pipeline.run import RunDir
 from redumix.pipeline.train import run_train
 from redumix.train.data import SparseTeacherCollator, build_examples, filter_rows, load_harvest, split_heldout
 from redumix.train.loss import select_targets, sparse_gkd_loss
-from tests.train_fixtures import tiny_tokenizer, write_base, write_harvest
+from tests.train_fixtures import write_base, write_harvest
 
 FAST = ["train.batch_size=8", "train.learning_rate=0.005", "train.warmup_ratio=0.0", "train.logging_steps=1",
         "train.heldout_fraction=0.2", "train.lora_rank=8", "train.lora_alpha=16"]
@@ -74,7 +75,7 @@ def test_row_filters_and_heldout_split(tmp_path: Path) -> None:
 
 def test_collator_aligns_teacher_with_targets(tmp_path: Path) -> None:
     write_harvest(tmp_path, n_rows=3, length=5)
-    tokenizer = tiny_tokenizer()
+    tokenizer = build_train_tokenizer()
     examples = build_examples(load_harvest(tmp_path), tokenizer, max_length=1024)
     short = build_examples(load_harvest(tmp_path), tokenizer, max_length=len(examples[0]["input_ids"]) - 2)
     assert len(short[0]["teacher_ids"]) == 3  # the redo is cut to fit, and its teacher with it
@@ -91,7 +92,7 @@ def test_collator_aligns_teacher_with_targets(tmp_path: Path) -> None:
 @pytest.mark.parametrize("target", ["redo", "gold", "original"])
 def test_hard_label_targets_are_cross_entropy_on_their_text(tmp_path: Path, target: str) -> None:
     write_harvest(tmp_path, n_rows=3, length=5)
-    tokenizer = tiny_tokenizer()
+    tokenizer = build_train_tokenizer()
     rows = load_harvest(tmp_path)
     solutions = {r["id"]: f"{r['reference']} is it." for r in rows}
     examples = build_examples(rows, tokenizer, 1024, target=target, solutions=solutions)
@@ -113,7 +114,7 @@ def test_hard_label_targets_are_cross_entropy_on_their_text(tmp_path: Path, targ
 def test_gold_target_names_rows_without_a_solution(tmp_path: Path) -> None:
     write_harvest(tmp_path, n_rows=3, length=5)
     with pytest.raises(ValueError, match="no reference working for 1 rows"):
-        build_examples(load_harvest(tmp_path), tiny_tokenizer(), 1024, target="gold",
+        build_examples(load_harvest(tmp_path), build_train_tokenizer(), 1024, target="gold",
                        solutions={"t-00000": "1", "t-00001": "2"})
 
 

@@ -1,4 +1,4 @@
-"""Builders for the train tests: a character tokenizer with a chat template, tiny random models, and harvest shards
+"""Run folders for the train tests: a tiny base model (bench/models.py's `build_train_model`) and harvest shards
 whose p_mix is a fixed random bigram model (so a student can really learn it and its KL really falls)."""
 
 from __future__ import annotations
@@ -7,47 +7,14 @@ import json
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from bench.models import TRAIN_SPECIALS, build_train_model, build_train_tokenizer
 from redumix.data.shards import encode_shard, shard_name, shard_paths, shard_record
-
-SPECIALS = ["<pad>", "<eos>", "<unk>", "<|user|>", "<|assistant|>"]
-CHARS = list(" \n0123456789+-*=.,?!:#abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {token: i for i, token in enumerate(SPECIALS + CHARS)}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-        additional_special_tokens=["<|user|>", "<|assistant|>"],
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def tiny_model(vocab_size: int, arch: str = "llama", seed: int = 0, hidden: int = 32) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-        pad_token_id=0, eos_token_id=1, bos_token_id=1,
-    )
-    if arch == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(**common))
-    return LlamaForCausalLM(LlamaConfig(**common))
 
 
 def write_base(folder: Path, arch: str = "llama", seed: int = 0) -> Path:
-    tokenizer = tiny_tokenizer()
-    model = tiny_model(len(tokenizer), arch=arch, seed=seed)
+    tokenizer = build_train_tokenizer()
+    model = build_train_model(len(tokenizer), arch=arch, seed=seed)
     model.save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
     return folder
@@ -59,11 +26,12 @@ def x2_context(low: int, high: int, row: int) -> list[int]:
 
 def write_harvest(folder: Path, n_rows: int = 48, k: int = 8, length: int = 24, seed: int = 0,
                   shard_rows: int = 32, with_x2: bool = True) -> None:
-    """Shards with the DESIGN.md columns. Every row's redo follows one bigram teacher; logprobs stored as float16."""
-    tokenizer = tiny_tokenizer()
+    """Shards with the harvest's columns (docs/design.md). Every row's redo follows one bigram teacher; logprobs
+    stored as float16."""
+    tokenizer = build_train_tokenizer()
     vocab = len(tokenizer)
     gen = torch.Generator().manual_seed(seed)
-    first_char = len(SPECIALS)
+    first_char = len(TRAIN_SPECIALS)
     bigram = torch.randn(vocab, vocab, generator=gen) * 3.0
     bigram[:, :first_char] = -30.0  # the teacher never emits special tokens
     log_p = torch.log_softmax(bigram, dim=-1)

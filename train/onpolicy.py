@@ -3,7 +3,7 @@
 The teacher is the frozen starting model under the two contexts of the harvested row: x, and x2 = [x ‖ y1 ‖ r ‖ c ‖
 REDO] with the ids the harvest cached (column `x2_token_ids`). At every token of the student's own y it gives
 p_mix = softmax(λ·log p(·|x, y<t) + (1−λ)·log p(·|x2, y<t)), reduced to the same top-k + tail the harvest stores
-(`generate.redumix.mixture_topk`, the function the harvest's decode loop calls). The batch it returns has the
+(`generate.mixture.mixture_topk`, the function the harvest's decode loop calls). The batch it returns has the
 layout of a stored batch, so the trainer's sparse loss reads both alike.
 
 With LoRA the frozen starting model is the student with its adapter disabled, which costs no second copy; with
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from redumix.generate.mixture import mixture_topk
 from redumix.generate.plain import generate_batch
 from redumix.generate.policy import SamplingPolicy, example_seed
-from redumix.generate.redumix import mixture_topk
 from redumix.train.data import SparseTeacherCollator
 
 

@@ -1,0 +1,80 @@
+"""p_mix, the per-token mixture of two contexts: p_mix = softmax(λ·log p(·|x, y<t) + (1−λ)·log p(·|x2, y<t)).
+
+`mixture_topk` computes it from the two contexts' logits, with its top-k and the mass outside it; the harvest's redo
+and the on-policy teacher (train/onpolicy.py) both call it, so the live target is the stored one. `mixture_loop`
+decodes from it, both contexts of every example in one batched forward pass per token (2B rows: B for x, B for x2).
+Policy filters (temperature, top-p, top-k) apply to the mixture, not to each context, so λ=1 reproduces plain
+decoding exactly and λ=0 reproduces decoding from x2 exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from redumix.generate.loop import Choice, Generation, decode_loop
+from redumix.generate.policy import SamplingPolicy, policy_logprobs, sample_tokens
+from redumix.generate.state import DecodeState, merge
+
+
+def mixture_topk(
+    logits_x: torch.Tensor, logits_x2: torch.Tensor, lam: float, topk: int
+) -> tuple[torch.Tensor, torch.return_types.topk, torch.Tensor]:
+    """log p_mix from each context's logits (N, V), its top-k, and the log of its mass outside the top-k.
+
+    The harvest's decode loop and the on-policy teacher (train/onpolicy.py, row by row, each row with its own λ) both
+    call this, so the live target is the stored one. The tail is a logsumexp over the other ids, not 1 − Σp, which
+    cancels when the top-k holds nearly all the mass.
+    """
+    logp_x, logp_x2 = torch.log_softmax(logits_x.float(), dim=-1), torch.log_softmax(logits_x2.float(), dim=-1)
+    if lam in (0, 1):  # exact, and no 0·−inf = NaN: λ=1 is plain decoding from x, λ=0 from x2
+        mix = logp_x if lam == 1 else logp_x2
+    else:
+        # In place on the fresh log-softmaxes, and not torch.lerp, whose a + w·(b − a) turns an id that both
+        # contexts rule out (−inf) into NaN.
+        mix = torch.log_softmax(logp_x.mul_(lam).add_(logp_x2.mul_(1 - lam)), dim=-1)
+    top = torch.topk(mix, min(topk, mix.shape[-1]), dim=-1)
+    # float32 is enough: logsumexp sums exp(v − max) ≤ 1, so its error is float32's relative one (~1e-7) whatever
+    # the tail's size; float64 adds nothing over float32 inputs and is many times slower on a CPU, where its exp is
+    # scalar (docs/measurements.md).
+    rest = mix.scatter(-1, top.indices, float("-inf"))
+    # A float32 exp whose result would be subnormal (argument < −87.3) takes a slow path on a CPU, and masked or
+    # extreme logits fill the row with such terms at a large vocabulary. Raising those terms to e^−87 relative to the
+    # largest changes the sum (≥ 1) by at most V·e^−87, far below float32's resolution; a row of −inf stays −inf.
+    floor = rest.amax(dim=-1, keepdim=True) - 87.0
+    tail = torch.logsumexp(rest.clamp_(min=floor), dim=-1)
+    return mix, top, tail
+
+
+def mixture_loop(
+    model: PreTrainedModel,
+    x_context: DecodeState,
+    x2_context: DecodeState,
+    lam: float,
+    topk: int,
+    policy: SamplingPolicy,
+    seeds: torch.Tensor,
+    stop_ids: Sequence[int],
+    max_new_tokens: int | None = None,
+) -> list[tuple[Generation, list[list[int]], list[list[float]], list[float]]]:
+    """Decode B examples from the mixture of their two contexts, one batched forward of 2B rows per token.
+
+    Returns, per example, the generation and, at every emitted token, the top-k ids and log-probs of p_mix and
+    the log of its mass outside the top-k. That tail is a logsumexp over the other ids, not 1 − Σp:
+    the difference cancels when the top-k holds nearly all the mass.
+    """
+
+    def choose(logits: torch.Tensor, live: torch.Tensor, step: int) -> Choice:
+        half = logits.shape[0] // 2  # rows 0..n-1 hold x, rows n..2n-1 hold x2
+        mix, top, tail = mixture_topk(logits[:half], logits[half:], lam, topk)
+        if policy.greedy:
+            tokens = mix.argmax(dim=-1)
+        else:
+            tokens = sample_tokens(policy_logprobs(mix, policy), policy, seeds.to(live.device)[live], step)
+        return Choice(tokens, (top.indices, top.values, tail))
+
+    state = merge([x_context, x2_context])
+    result = decode_loop(model, state, choose, stop_ids, max_new_tokens or policy.max_new_tokens, contexts=2)
+    return [(gen, *logged) for gen, logged in zip(result.generations, result.logged, strict=True)]
