@@ -81,7 +81,13 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrai
             "embedded default, or set model.path to a local checkpoint folder"
         )
     refuse_shipped_code(path, trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # tokenizers and transformers raise many kinds, none of which names the file
+        files = ", ".join(f.name for f in sorted(path.glob("tokenizer*"))) or "no tokenizer files"
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"{path}: the tokenizer does not load ({files}: {first}); copy the model's tokenizer files "
+                         "there again, or set model.path to another folder") from None
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"{path}: the tokenizer has no chat template, and redumix renders every prompt with it; add one "

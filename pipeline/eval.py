@@ -26,6 +26,7 @@ from redumix.generate.decoder import fingerprint
 from redumix.generate.model_io import load_model
 from redumix.pipeline.config import Config
 from redumix.pipeline.decoders import DECODERS, DecoderEntry, check_decoder_names, make_decoder
+from redumix.pipeline.preflight import check_inputs
 from redumix.pipeline.records import make_record, model_identity, read_records, records_path, score_resumable
 from redumix.pipeline.report import plot_accuracy_vs_fpe, reflection_diagnostics, report_markdown, summarize
 from redumix.pipeline.resolve import config_to_yaml
@@ -63,6 +64,9 @@ def run_eval(
     if report_path.exists() and read_json(report_path).get("fingerprint") == report_fingerprint:
         print0(f"eval: complete ({report_path}), skipping. Delete it to evaluate again.")
         return
+    examples = task.examples(config.eval.split, max(config.eval.n, config.eval.n_other))
+    for path in checkpoints.values():  # before eval/ is written to
+        check_inputs(config.model, path, examples, config.sampling.max_new_tokens)
     out.mkdir(parents=True, exist_ok=True)
     if rank() == 0:
         atomic_write_text(out / "config.yaml", config_to_yaml(config))

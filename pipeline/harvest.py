@@ -33,9 +33,10 @@ from redumix.data.shards import (
 from redumix.data.task import Example, Task
 from redumix.data.tasks import flat_settings, make_task
 from redumix.embedded.stage import ensure_base
-from redumix.generate.model_io import load_model, load_tokenizer, stop_token_ids
+from redumix.generate.model_io import load_model, stop_token_ids
 from redumix.generate.redumix import FeedbackFn, RedumixResult, redumix_generate, task_feedback
 from redumix.pipeline.config import Config
+from redumix.pipeline.preflight import check_inputs
 from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.run import (
     RunDir,
@@ -85,7 +86,7 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
         )
     if config.redumix.feedback == "human":
         _check_human_feedback(config.redumix.feedback_file, examples)
-    load_tokenizer(model_path(config.model.path, run), config.model.trust_remote_code)  # the folder, its template
+    check_inputs(config.model, model_path(config.model.path, run), examples, config.sampling.max_new_tokens)
     _claim_folder(out, config, fingerprint)
 
     rows_per_shard = config.harvest.shard_rows

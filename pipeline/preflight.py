@@ -14,6 +14,15 @@ import torch
 from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages
 from redumix.data.task import Example
+from redumix.generate.model_io import ModelConfig, load_tokenizer
+
+
+def check_inputs(model: ModelConfig, path: Path, examples: Sequence[Example], max_new_tokens: int) -> None:
+    """Everything a decoding stage needs from its inputs, checked before it writes anything."""
+    check_device(model.device)
+    tokenizer = load_tokenizer(path, model.trust_remote_code)  # the folder, its chat template, a pad token
+    window = check_model_files(path, model.trust_remote_code)
+    check_prompts_fit(tokenizer, window, examples, max_new_tokens)
 
 
 def check_device(device: str) -> None:

@@ -235,3 +235,49 @@ def test_two_harvests_on_one_folder_never_mix(tmp_path, tiny_model_dir):
         rows = list(iter_rows(shard_paths(run_dir / "harvest")))
         assert len(rows) == 8 and {round(row["lam"], 4) for row in rows} == {manifest["lam"]}
         assert {json_module.loads(row["meta"])["fingerprint"] for row in rows} == {manifest["fingerprint"]}
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("zero-byte weights", "model.safetensors: not a readable safetensors file"),
+    ("garbage tokenizer.json", "the tokenizer does not load (tokenizer.json, tokenizer_config.json: "),
+    ("unknown model_type", "config.json: transformers cannot load this model config"),
+])
+def test_an_unreadable_model_is_one_error_and_claims_nothing(tmp_path, tiny_model_dir, capsys, damage, message):
+    from redumix.pipeline.cli import main
+
+    folder = _model_copy(tiny_model_dir, tmp_path)
+    if damage == "zero-byte weights":
+        (folder / "model.safetensors").write_bytes(b"")
+    elif damage == "garbage tokenizer.json":
+        (folder / "tokenizer.json").write_text("{garbage")
+    else:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "model_type": "no-such-model"}))
+    run_dir = tmp_path / "run"
+    assert main(_harvest_command(run_dir, folder)[3:]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (run_dir / "harvest").exists()
+    assert main(_harvest_command(run_dir, tiny_model_dir)[3:]) == 0  # the fixed rerun runs
+
+
+def test_a_100k_character_question_is_refused_before_any_work(tmp_path, tiny_model_dir, capsys):
+    import resource
+
+    data = tmp_path / "gsm8k"
+    data.mkdir()
+    lines = [{"question": "Tom has 3 apples and buys 2. How many?", "answer": "3 + 2 = 5\n#### 5"},
+             {"question": "How many? " * 10_000, "answer": "#### 1"}]
+    for split in ("train", "test"):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    from redumix.pipeline.cli import main
+
+    command = _harvest_command(tmp_path / "run", tiny_model_dir, "task.name=gsm8k", f"task.gsm8k.path={data}",
+                               "harvest.n=2")[3:]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert main(command) == 1
+    err = capsys.readouterr().err
+    assert "1 prompt(s) do not fit the model's window of 2048 positions" in err and "gsm8k-train-" in err
+    assert not (tmp_path / "run" / "harvest").exists()
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mb < 2048
