@@ -84,6 +84,8 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrai
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # tokenizers and transformers raise many kinds, none of which names the file
+        if trust_remote_code:
+            raise  # the folder's own code failed: its error is the one to read
         files = ", ".join(f.name for f in sorted(path.glob("tokenizer*"))) or "no tokenizer files"
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ValueError(f"{path}: the tokenizer does not load ({files}: {first}); copy the model's tokenizer files "

@@ -84,13 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     except PermissionError as exc:
         print(f"redumix {stage}: error: {permission_message(exc, run)}", file=sys.stderr)
         return 1
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"redumix {stage}: error: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         print(f"redumix {stage}: error: {disk_full_message(exc, run)}", file=sys.stderr)
-        return 1
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
-        print(f"redumix {stage}: error: {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -60,7 +60,6 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
     if marker.is_file() and not changed_inputs(read_json(marker).get("inputs"), inputs):
         print0(f"train: already complete ({marker}); delete {run.train} to train again")
         return read_json(marker)
-    forget_stale_outputs(run.train, inputs)
     tokenizer = load_tokenizer(model_path, config.model.trust_remote_code)
 
     # --- rows -> examples -----------------------------------------------------------------------------------------
@@ -87,6 +86,7 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
             f"train: no rows to learn from in {harvest_dir} with train.rows={tc.rows!r} "
             f"({len(harvested)} harvested, {len(rows)} selected); try train.rows=all or harvest more"
         )
+    forget_stale_outputs(run.train, inputs)  # the first write to train/: bad rows above leave no folder
     if rank() == 0:
         atomic_write_text(run.train / "config.yaml", config_to_yaml(config))
 
