@@ -245,7 +245,7 @@ def harvest_fingerprint(config: Config, task: Task) -> str:
         # compile_decoding changes speed and float rounding only, as the batch size does: a harvest may resume with
         # it switched.
         "model": {k: v for k, v in asdict(config.model).items() if k != "compile_decoding"},
-        "base": asdict(config.base) if config.model.path == "base" else None,
+        "base": _flat(asdict(config.base)) if config.model.path == "base" else None,
         "task": flat_settings(config.task),  # the flat layout harvests were fingerprinted with before
         "sampling": asdict(config.sampling),
         "redumix": asdict(config.redumix),
@@ -254,6 +254,15 @@ def harvest_fingerprint(config: Config, task: Task) -> str:
                     **({"skip": config.harvest.skip} if config.harvest.skip else {})},
     }
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _flat(section: dict) -> dict:
+    """A section with its subsections' keys lifted to the top: the layout harvests were fingerprinted with before
+    `base.corpus` had its own section, so those harvests still resume."""
+    flat = {}
+    for key, value in section.items():
+        flat.update(value if isinstance(value, dict) else {key: value})
+    return flat
 
 
 def _check_fingerprint(found: str | None, expected: str, out: Path) -> None:
