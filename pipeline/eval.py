@@ -26,6 +26,7 @@ from redumix.generate.decoder import fingerprint
 from redumix.generate.model_io import load_model
 from redumix.pipeline.config import Config
 from redumix.pipeline.decoders import DECODERS, DecoderEntry, check_decoder_names, make_decoder
+from redumix.pipeline.lineage import file_id, harvest_id, model_id
 from redumix.pipeline.preflight import check_inputs
 from redumix.pipeline.records import make_record, model_identity, read_records, records_path, score_resumable
 from redumix.pipeline.report import plot_accuracy_vs_fpe, reflection_diagnostics, report_markdown, summarize
@@ -83,8 +84,11 @@ def run_eval(
     if rank() != 0:
         return
     report = {"fingerprint": report_fingerprint, "task": task.name, "split": config.eval.split,
-              "checkpoints": {k: str(v) for k, v in checkpoints.items()}, "rows": rows, "diagnostics": diagnostics,
-              "peak_rss_mb": peak_rss_mb()}
+              "checkpoints": {k: str(v) for k, v in checkpoints.items()},
+              # which harvest and train output the tuned model came from, and each checkpoint's weights
+              "inputs": {"harvest": harvest_id(run.harvest), "train": file_id(run.train / "metrics.json"),
+                         "models": {k: model_id(v) for k, v in checkpoints.items()}},
+              "rows": rows, "diagnostics": diagnostics, "peak_rss_mb": peak_rss_mb()}
     atomic_write_text(out / "report.md", report_markdown(report))
     plot_accuracy_vs_fpe(rows, out / "accuracy_vs_fpe.png")
     atomic_write_json(report_path, report)  # last: its presence means the stage is complete

@@ -60,6 +60,8 @@ def summarize(checkpoint: str, decoder: str, records: list[dict], greedy: list[d
         row["hidden_tokens_per_example"] = sum(r["extra"]["hidden_tokens"] for r in records) / max(n, 1)
     if greedy and decoder != BASELINE:
         row.update(paired_with_greedy(records, greedy))
+    if n == 0:  # nothing was scored: a rate of nothing is undefined, not 0 (JSON null; the Markdown says so)
+        row.update(accuracy=None, ci_low=None, ci_high=None, mean_tokens=None, mean_fpe=None, prefill_tokens=None)
     return row
 
 
@@ -157,6 +159,7 @@ def pareto_front(rows: list[dict]) -> list[dict]:
     strictly better in one of them: a decoder that matches another's accuracy at more compute is off the front.
     Rows tied on both stay on it together. Point estimates only: the intervals are in the tables.
     """
+    rows = [r for r in rows if r["accuracy"] is not None]  # a row with no examples has no place on the front
     return [r for r in rows if not any(_dominates(o, r) for o in rows if o["checkpoint"] == r["checkpoint"])]
 
 
@@ -195,11 +198,17 @@ def report_markdown(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
+        if r["accuracy"] is None:
+            lines.append(f"| {r['checkpoint']} | {r['decoder']} | undefined (no examples) | – | 0 | – | – | – | "
+                         f"{r['wall_s']:.1f} | – |")
+            continue
         lines.append(
             f"| {r['checkpoint']} | {r['decoder']} | {r['accuracy']:.1%} | {r['ci_low']:.1%}–{r['ci_high']:.1%} | "
             f"{r['n']} | {r['mean_tokens']:.1f} | {r['mean_fpe']:.0f} | {r['prefill_tokens']:.0f} | "
             f"{r['wall_s']:.1f} | {r['tokens_per_s']:.0f} |"
         )
+    if not report["rows"]:
+        lines += ["", "No decoder ran: `eval.decoders` (or the checkpoints) left nothing to evaluate."]
     extras = [r for r in report["rows"] if "fixed" in r or "longest_context" in r or "reflections_per_example" in r]
     if extras:
         lines += ["", "| checkpoint | decoder | details |", "|---|---|---|"]
@@ -277,6 +286,9 @@ def plot_accuracy_vs_fpe(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
+    rows = [r for r in rows if r["accuracy"] is not None]
+    if not rows:
+        ax.text(0.5, 0.5, "no decoder scored an example", ha="center", va="center", transform=ax.transAxes)
     for i, checkpoint in enumerate(dict.fromkeys(r["checkpoint"] for r in rows)):
         points = [r for r in rows if r["checkpoint"] == checkpoint]
         _plot_checkpoint(ax, points, checkpoint, color=f"C{i}", marker="osD^v"[i % 5])
@@ -285,7 +297,8 @@ def plot_accuracy_vs_fpe(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("accuracy (%), 95% Wilson interval")
     ax.set_title("Accuracy against compute; filled and joined: the Pareto front")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if rows:
+        ax.legend(fontsize=8)
     buffer = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buffer, format="png", dpi=120)

@@ -83,6 +83,19 @@ def test_train_and_export_made_from_an_old_harvest_are_redone_after_a_reharvest(
     assert run_train(config, run) == second and "already complete" in capsys.readouterr().out
 
 
+def test_eval_reports_which_harvest_and_train_output_it_measured(tmp_path, tiny_model_dir):
+    from redumix.pipeline.config import load_config
+    from redumix.pipeline.eval import run_eval
+    from redumix.pipeline.lineage import model_id
+    from redumix.pipeline.run import RunDir
+
+    config = load_config(ROOT / "recipes" / "tiny.yaml", [f"model.path={tiny_model_dir}", *SMALL, "eval.n=2",
+                                                          "eval.decoders=[greedy]", "eval.checkpoints=[base]"])
+    run_eval(config, RunDir(tmp_path))
+    inputs = json.loads((tmp_path / "eval" / "report.json").read_text())["inputs"]
+    assert inputs == {"harvest": None, "train": None, "models": {"base": model_id(tiny_model_dir)}}
+
+
 def _model_copy(tiny_model_dir, tmp_path):
     import shutil
 
@@ -281,3 +294,59 @@ def test_a_100k_character_question_is_refused_before_any_work(tmp_path, tiny_mod
     assert not (tmp_path / "run" / "harvest").exists()
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert grown_mb < 2048
+
+
+class _FixedTask:
+    """`echo`'s examples, graded always right or always wrong, or with no examples at all: the edges of a report."""
+
+    def __init__(self, verdict: bool, empty: bool = False) -> None:
+        from tests.test_seams import EchoTask
+
+        self.echo, self.verdict, self.empty, self.name = EchoTask(), verdict, empty, "fixed"
+
+    def examples(self, split, n):
+        return [] if self.empty else self.echo.examples(split, n)
+
+    def answer(self, text):
+        return self.echo.answer(text)
+
+    def is_correct(self, text, example):
+        return self.verdict
+
+    def feedback(self, text, example):
+        return "right" if self.verdict else "wrong"
+
+
+def _strict_json(path):
+    def refuse(constant):
+        raise AssertionError(f"{path} holds {constant}, which is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+@pytest.mark.parametrize("case, overrides, task", [
+    ("0%, n=1", ["eval.n=1", "eval.n_other=1"], (False, False)),
+    ("100%", ["eval.n=3", "eval.n_other=2"], (True, False)),
+    ("no held-out examples", ["eval.n=3", "eval.n_other=2"], (True, True)),
+    ("no decoders", ["eval.decoders=[]", "eval.n=3"], (True, False)),
+])
+def test_a_report_at_the_edges_is_complete_and_strict_json(tmp_path, tiny_model_dir, case, overrides, task):
+    from redumix.pipeline.config import load_config
+    from redumix.pipeline.eval import run_eval
+    from redumix.pipeline.run import RunDir
+
+    decoders = [] if "eval.decoders=[]" in overrides else ["eval.decoders=[greedy, redumix-oracle]"]
+    config = load_config(ROOT / "recipes" / "tiny.yaml", [f"model.path={tiny_model_dir}", *SMALL, *decoders,
+                                                          *overrides, "eval.checkpoints=[base]"])
+    run_eval(config, RunDir(tmp_path), task=_FixedTask(*task))
+    report = _strict_json(tmp_path / "eval" / "report.json")
+    markdown = (tmp_path / "eval" / "report.md").read_text()
+    assert (tmp_path / "eval" / "accuracy_vs_fpe.png").stat().st_size > 0
+    assert "nan" not in markdown.lower()
+    for row in report["rows"]:
+        if row["n"] == 0:
+            assert row["accuracy"] is None and "undefined" in markdown
+        else:
+            assert row["accuracy"] == (1.0 if task[0] else 0.0)
+    if "eval.decoders=[]" in overrides:
+        assert report["rows"] == [] and "no decoder ran" in markdown.lower()
