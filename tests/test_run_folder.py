@@ -350,3 +350,34 @@ def test_a_report_at_the_edges_is_complete_and_strict_json(tmp_path, tiny_model_
             assert row["accuracy"] == (1.0 if task[0] else 0.0)
     if "eval.decoders=[]" in overrides:
         assert report["rows"] == [] and "no decoder ran" in markdown.lower()
+
+
+@pytest.mark.slow
+def test_two_trainings_on_one_folder_never_mix(tmp_path):
+    """Started together with different learning rates, ten times: one trains and the other is refused with the lock
+    message, or finds the first one's complete output. train/ always holds one run's config and weights."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.train_fixtures import write_base, write_harvest
+
+    recipe = tmp_path / "train-only.yaml"
+    recipe.write_text("name: train-only\n")
+    for attempt in range(10):
+        run = tmp_path / f"try-{attempt}"
+        write_base(run / "base")
+        write_harvest(run / "harvest", n_rows=16, length=8)
+        processes = [subprocess.Popen(
+            [sys.executable, "-m", "redumix.pipeline.cli", "train", "--recipe", str(recipe), "--run-dir", str(run),
+             f"model.path={run / 'base'}", "train.max_steps=2", "train.batch_size=4", f"train.learning_rate={lr}"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for lr in (0.001, 0.002)]
+        results = [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for p in processes]
+        trained = [i for i, (code, out, _) in enumerate(results) if code == 0 and "already complete" not in out]
+        assert len(trained) == 1, results
+        other = results[1 - trained[0]]
+        assert (other[0] == 1 and "is in use by pid" in other[2]) or (other[0] == 0 and "already complete" in other[1])
+        saved = yaml.safe_load((run / "train" / "config.yaml").read_text())
+        assert saved["train"]["learning_rate"] == (0.001, 0.002)[trained[0]]
+        assert json.loads((run / "train" / "metrics.json").read_text())["steps"] == 2
