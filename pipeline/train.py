@@ -7,7 +7,8 @@ the sparse generalized JSD (train/loss.py) through TRL. Writes RUN_DIR/train/:
   merged/                    base + adapter merged, with the tokenizer: loads with plain AutoModelForCausalLM
   config.yaml                the resolved config
   metrics.json               written last: held-out KL of base and merged model, losses, counts, wall time
-A rerun after a kill resumes from the last checkpoint; a rerun after metrics.json exists does nothing.
+A rerun after a kill resumes from the last checkpoint. A rerun after metrics.json exists does nothing, unless the
+base or the harvest it records in `inputs` changed since (pipeline/lineage.py): then it trains again from the start.
 Multi-process runs come from torchrun (see the Makefile); `train.deepspeed` selects a ZeRO config in recipes/.
 """
 
