@@ -21,8 +21,7 @@ class BaseConfig:
         metadata={"help": "Byte-level BPE vocabulary size, special tokens included. 768 makes the fixed instruction "
                   "strings one to four tokens, so a reflection episode is ~190 tokens instead of ~345 at 432."},
     )
-    # Narrow and many steps beats wide and few at this budget: on 2-3-step problems, width 96 for 6000 steps reached
-    # 77% and width 128 for 4000 steps 48%, while width 192 for 2400 steps reached 14% (same wall time).
+    # Narrow and many steps beats wide and few at a fixed wall time (docs/measurements.md, "Base width").
     hidden_size: int = field(default=96, metadata={"help": "Model width."})
     layers: int = field(default=4, metadata={"help": "Transformer blocks."})
     heads: int = field(default=4, metadata={"help": "Attention heads (hidden_size must divide by it)."})

@@ -39,9 +39,9 @@ class ModelConfig:
     device: str = field(default="auto", metadata={"help": "'auto' picks cuda:LOCAL_RANK when available, else cpu."})
     compile_decoding: bool = field(
         default=False,
-        metadata={"help": "Run each one-token decode step through torch.compile (harvest, eval, calibrate): "
-                  "about 2x faster a step for a small model on a CPU, after a one-off compile of 15-60 s a process "
-                  "(for a 30-layer model 1-5 minutes, and on a CPU its compiled step is slower than the eager one)."},
+        metadata={"help": "Run each one-token decode step through torch.compile (harvest, eval, calibrate). It pays "
+                  "where a step is bound by its calls (a small model, a small batch), after a one-off compile per "
+                  "process; it changes float rounding only. Timings: docs/measurements.md."},
     )
 
 
