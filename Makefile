@@ -11,10 +11,11 @@ RUN_DIR_FLAG := $(if $(RUN_DIR),--run-dir $(RUN_DIR),)
 # Multi-process stages go through torchrun, which starts exactly NPROC ranks on CPU or GPU alike.
 LAUNCH := $(if $(filter 1,$(NPROC)),$(BIN)/redumix,$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m redumix.pipeline.cli)
 
-# The stages, as pipeline/cli.py's STAGES table lists them (tests/test_extending.py keeps the two equal). Those in
-# RANKED run on NPROC ranks (torchrun when NPROC > 1); the others run in one process.
-STAGES := base harvest train eval export calibrate rounds evidence
-RANKED := harvest train eval rounds
+# The stages are read from pipeline/cli.py's STAGES table, one line a stage, so a new stage needs no edit here. Those
+# marked ranked=True run on NPROC ranks (torchrun when NPROC > 1); the others run in one process.
+STAGE_LINE := ^    "\([a-z_-]*\)": Stage(
+STAGES := $(shell sed -n 's/$(STAGE_LINE).*/\1/p' pipeline/cli.py)
+RANKED := $(shell sed -n 's/$(STAGE_LINE).*ranked=True.*/\1/p' pipeline/cli.py)
 # `make rounds ROUNDS=N`: harvest -> train -> eval N times (default: the recipe's rounds.count), each round from the
 # last one's model. `make evidence`: the controls and ablations of the distillation claim, in RUN_DIR/evidence/.
 ARGS_rounds = $(if $(ROUNDS),rounds.count=$(ROUNDS),)
@@ -52,6 +53,9 @@ test-all: install
 	$(BIN)/python -m pytest -q -m ""
 lint: install
 	$(BIN)/ruff check .
+
+print-%:  # `make print-STAGES`: a variable's value, for tests and curious users
+	@echo $($*)
 
 clean:
 	rm -rf runs/ .pytest_cache

@@ -25,16 +25,18 @@ class Stage:
     module: str  # imported only when the stage runs, so that `redumix base` does not pay for TRL and DeepSpeed
     function: str  # its `(config, run)` entry point in that module
     help: str
+    ranked: bool = False  # `make STAGE NPROC=N` launches it on N ranks through torchrun
 
 
+# One line a stage: the Makefile reads its targets from these lines, so keep each entry on one line.
 STAGES: dict[str, Stage] = {
     "base": Stage("redumix.embedded.stage", "run_base", "build the embedded default model"),
-    "harvest": Stage("redumix.pipeline.harvest", "run_harvest", "ReDuMix redos with p_mix into Arrow shards"),
-    "train": Stage("redumix.pipeline.train", "run_train", "distil the stored p_mix into the model"),
-    "eval": Stage("redumix.pipeline.eval", "run_eval", "every decoder on the base and tuned checkpoints"),
+    "harvest": Stage("redumix.pipeline.harvest", "run_harvest", "redos under p_mix, into Arrow shards", ranked=True),
+    "train": Stage("redumix.pipeline.train", "run_train", "distil the stored p_mix into the model", ranked=True),
+    "eval": Stage("redumix.pipeline.eval", "run_eval", "every decoder on the base and tuned checkpoints", ranked=True),
     "export": Stage("redumix.pipeline.export", "run_export", "DPO pairs from the harvest's shards"),
     "calibrate": Stage("redumix.pipeline.calibrate", "run_calibrate", "pick the reflective gate and stop rule"),
-    "rounds": Stage("redumix.pipeline.rounds", "run_rounds", "harvest -> train -> eval again from each round's model"),
+    "rounds": Stage("redumix.pipeline.rounds", "run_rounds", "harvest, train, eval, round after round", ranked=True),
     "evidence": Stage("redumix.pipeline.evidence", "run_evidence", "controls and ablations of the distillation claim"),
 }
 
