@@ -20,7 +20,24 @@ RANKED := $(shell sed -n 's/$(STAGE_LINE).*ranked=True.*/\1/p' pipeline/cli.py)
 # last one's model. `make evidence`: the controls and ablations of the distillation claim, in RUN_DIR/evidence/.
 ARGS_rounds = $(if $(ROUNDS),rounds.count=$(ROUNDS),)
 
-.PHONY: install $(STAGES) smollm2 bench test test-all lint clean
+.PHONY: help install $(STAGES) smollm2 bench test test-all lint clean
+help:  # the targets (the first target, so a bare `make` prints this)
+	@echo "make help                     this list"
+	@echo "make install                  the virtual environment in $(VENV)/ (the other targets run it first)"
+	@echo "make STAGE [RECIPE=..] [RUN_DIR=..] [NPROC=N] [ARGS='key=value ...']"
+	@echo "                              one stage; STAGE is one of: $(STAGES)"
+	@echo "                              (on NPROC ranks through torchrun: $(RANKED))"
+	@echo "make harvest train eval       the pipeline, on the tiny recipe by default"
+	@echo "make rounds ROUNDS=N          harvest -> train -> eval N times, each round from the last one's model"
+	@echo "make smollm2                  fetch SmolLM2-135M-Instruct (GGUF) into $(SMOLLM2)/"
+	@echo "make bench                    the speed benchmarks (bench/)"
+	@echo "make test                     the tests, without the slow ones"
+	@echo "make test-all                 every test, the slow ones too"
+	@echo "make lint                     ruff"
+	@echo "make print-VAR                a variable's value, e.g. make print-STAGES"
+	@echo "make clean                    remove runs/ and .pytest_cache"
+	@echo "redumix --help, redumix STAGE --help, redumix config, redumix decoders: the CLI explains the rest"
+
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)

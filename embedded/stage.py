@@ -32,7 +32,7 @@ from redumix.embedded.corpus import corpus_episodes
 from redumix.embedded.measure import measure
 from redumix.embedded.pretrain import build_model, build_rows, train_model
 from redumix.embedded.tokenizer import corpus_tokenizer
-from redumix.pipeline.config import Config
+from redumix.pipeline.config import REPO, Config
 from redumix.pipeline.run import (
     RunDir,
     atomic_write_json,
@@ -124,6 +124,8 @@ def shipped_base(config: Config) -> Path | None:
     if not config.base.shipped:
         return None
     folder = Path(config.base.shipped)
+    if not folder.exists() and (REPO / folder).exists():  # the bundled `models/tiny-base`, run from elsewhere
+        folder = REPO / folder
     if not (folder / "metrics.json").is_file():
         print0(f"base: base.shipped={folder} holds no complete build (no metrics.json); building from the code")
         return None

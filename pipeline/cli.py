@@ -1,7 +1,9 @@
-"""`redumix STAGE --recipe PATH [--run-dir DIR] [key.sub=value ...]`
+"""`redumix STAGE [--recipe R] [--run-dir DIR] [key.sub=value ...]`, `redumix config`, `redumix decoders`
 
-The stages are the `STAGES` table below; `redumix --help` lists them. A new stage is a module with a
-`run_<stage>(config, run)` function and one line there (and the Makefile's STAGES list, which a test compares).
+The stages are the `STAGES` table below; `redumix --help` lists them and `redumix STAGE --help` lists the config keys
+that stage reads, with defaults and help. A recipe is a YAML path or a bundled recipe's name (`--recipe tiny`).
+A new stage is a module with a `run_<stage>(config, run)` function and one line in the table (the Makefile reads it).
+`config` and `decoders` are not stages: they print and touch no run folder.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from redumix.pipeline import reference
 from redumix.pipeline.config import Config, load_config
+from redumix.pipeline.decoders import DECODERS
 from redumix.pipeline.lock import RunFolderBusy, run_folder_lock
 from redumix.pipeline.resolve import ConfigError, config_to_yaml
 from redumix.pipeline.run import RunDir, atomic_write_text, print0, rank
@@ -41,16 +45,54 @@ STAGES: dict[str, Stage] = {
 }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    stages = "\n".join(f"  {name:<10} {stage.help}" for name, stage in STAGES.items())
-    parser = argparse.ArgumentParser(
-        prog="redumix", description=__doc__, epilog=f"stages:\n{stages}", formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("stage", choices=STAGES, metavar="STAGE", help="one of the stages listed below")
-    parser.add_argument("--recipe", default="recipes/tiny.yaml", help="YAML recipe (default: recipes/tiny.yaml)")
-    parser.add_argument("--run-dir", default=None, help="run folder (default: runs/<recipe name>)")
+# The config sections each stage reads besides the top level (`name`, `seed`): what `redumix STAGE --help` lists.
+# A stage not named here lists every section. tests/test_cli.py checks each stage module's `config.<section>` reads.
+DECODER_SECTIONS = tuple(dict.fromkeys(e.section[0] for e in DECODERS.values() if e.section))
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "base": ("model", "base", "task"),
+    "harvest": ("model", "base", "task", "sampling", "redumix", "harvest"),
+    "train": ("model", "task", "harvest", "train"),
+    "eval": ("model", "base", "task", "sampling", *DECODER_SECTIONS, "eval"),
+    "export": (),
+    "calibrate": ("model", "base", "task", "sampling", "reflective", "eval"),
+}
+DEFAULT_RECIPE = "tiny"
+
+
+def stage_sections(stage: str) -> list[str]:
+    return list(SECTIONS.get(stage, [s.dotted for s in reference.sections() if s.dotted and "." not in s.dotted]))
+
+
+def _run_options(parser: argparse.ArgumentParser, recipe_default: str | None = DEFAULT_RECIPE) -> None:
+    parser.add_argument("--recipe", default=recipe_default,
+                        help="YAML recipe: a path, or a bundled recipe's name such as `tiny` (default: tiny)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied after the recipe")
-    return parser.parse_intermixed_args(argv)  # overrides may follow --recipe, as the Makefile passes them
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in STAGES:  # `redumix STAGE ...`: its own parser, whose --help lists the stage's keys
+        stage = argv[0]
+        parser = argparse.ArgumentParser(
+            prog=f"redumix {stage}", description=f"redumix {stage}: {STAGES[stage].help}.",
+            epilog="config keys it reads (set in the recipe, or key.sub=value here):\n"
+            + reference.stage_text(stage_sections(stage)),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    else:
+        stages = "\n".join(f"  {name:<10} {stage.help}" for name, stage in STAGES.items())
+        parser = argparse.ArgumentParser(
+            prog="redumix", description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
+            epilog=f"stages:\n{stages}\n\nother commands:\n  {'config':<10} print the resolved config (or "
+            f"--markdown: the reference)\n  {'decoders':<10} list the decoders\n\n`redumix STAGE --help` lists "
+            "the config keys a stage reads.",
+        )
+        parser.add_argument("stage", choices=STAGES, metavar="STAGE", help="one of the stages listed below")
+    parser.add_argument("--run-dir", default=None, help="run folder (default: runs/<recipe name>)")
+    _run_options(parser)
+    args = parser.parse_intermixed_args(argv[1:] if argv and argv[0] in STAGES else argv)
+    args.stage = args.stage if "stage" in args else argv[0]  # overrides may follow --recipe, as the Makefile passes
+    return args
 
 
 def resolve(argv: list[str] | None = None) -> tuple[str, Config, RunDir]:
@@ -60,8 +102,44 @@ def resolve(argv: list[str] | None = None) -> tuple[str, Config, RunDir]:
     return args.stage, config, run
 
 
+# --- the commands that are not stages: they print, and touch no run folder ----------------------------------------
+
+
+def config_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="redumix config", description="Print the resolved config as YAML: defaults <- recipe <- overrides.")
+    _run_options(parser, recipe_default=None)
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the configuration reference (every key's type, default and help) as Markdown "
+                        "instead: docs/config.md")
+    args = parser.parse_intermixed_args(argv)
+    if args.markdown:
+        if args.recipe or args.overrides:
+            parser.error("--markdown prints the reference of the defaults; it takes no --recipe or overrides")
+        print(reference.markdown(), end="")
+        return 0
+    print(config_to_yaml(load_config(args.recipe or DEFAULT_RECIPE, args.overrides)), end="")
+    return 0
+
+
+def decoders_command(argv: list[str]) -> int:
+    argparse.ArgumentParser(
+        prog="redumix decoders", description="List the decoders that eval.decoders may name (pipeline/decoders.py)."
+    ).parse_args(argv)
+    for name, entry in DECODERS.items():
+        section = f" (settings: {entry.section[0]}.*)" if entry.section else ""
+        print(f"{name + entry.suffix:<22} {entry.help}{section}")
+    return 0
+
+
+COMMANDS = {"config": config_command, "decoders": decoders_command}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv and argv[0] in COMMANDS:
+            return COMMANDS[argv[0]](argv[1:])
         stage, config, run = resolve(argv)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"redumix: {exc}", file=sys.stderr)

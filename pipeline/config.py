@@ -20,9 +20,13 @@ from redumix.generate.model_io import ModelConfig
 from redumix.generate.policy import SamplingPolicy
 from redumix.pipeline.decoders import DEFAULT_DECODERS, decoder_sections, decoders_help
 from redumix.pipeline.evidence_arms import ARMS, arms_help
-from redumix.pipeline.resolve import resolve
+from redumix.pipeline.resolve import ConfigError, resolve
 from redumix.train.config import TrainConfig
 
+# The repository's bundled recipes, found from this file (an editable install runs from the repository), so that
+# `--recipe tiny` works from any directory.
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
 _SAFE_NAME = re.compile(r"(?!\.{1,2}$)[A-Za-z0-9._-]+")
 
 
@@ -169,7 +173,24 @@ Config.__module__ = __name__
 
 def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
     """Defaults <- recipe YAML <- overrides (pipeline/resolve.py). Raises ConfigError listing every problem."""
+    recipe = find_recipe(recipe) if recipe is not None else None
     config = resolve(Config, recipe, overrides)
     if not config.name:
         config.name = Path(recipe).stem if recipe is not None else "default"
     return config
+
+
+def bundled_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES.glob("*.yaml"))
+
+
+def find_recipe(recipe: str | Path) -> Path:
+    """A recipe file: the path as given, else that path inside the repository (the Makefile's `recipes/tiny.yaml`
+    from another directory), else a bundled recipe's name (`tiny`, `tiny.yaml`)."""
+    given = Path(recipe)
+    tries = [given] if given.is_absolute() else [given, REPO / given, RECIPES / given, RECIPES / f"{given}.yaml"]
+    for path in tries:
+        if path.is_file():
+            return path
+    raise ConfigError(f"recipe not found: {recipe} (pass --recipe PATH to a YAML file, or a bundled recipe's name: "
+                      f"{', '.join(bundled_recipes())})")

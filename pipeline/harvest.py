@@ -59,12 +59,13 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
     """Harvest `task` (by default the one `config.task` names) into RUN_DIR/harvest."""
     task = task or make_task(config.task, config.seed)
     out = run.harvest
+    settings = harvest_settings(config, task)
     fingerprint = harvest_fingerprint(config, task)
     manifest_path = out / "manifest.json"
     init_distributed()
     if manifest_path.exists():
         manifest = read_json(manifest_path)
-        _check_fingerprint(manifest.get("fingerprint"), fingerprint, out)
+        _check_fingerprint(manifest.get("fingerprint"), fingerprint, out, settings)
         bad = bad_shards(out, manifest.get("shard_files", {}))
         if not bad:
             print0(f"harvest: complete ({manifest_path}), skipping. Delete {out} to harvest again.")
@@ -87,7 +88,7 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
     if config.redumix.feedback == "human":
         _check_human_feedback(config.redumix.feedback_file, examples)
     check_inputs(config.model, model_path(config.model.path, run), examples, config.sampling.max_new_tokens)
-    _claim_folder(out, config, fingerprint)
+    _claim_folder(out, config, fingerprint, settings)
 
     rows_per_shard = config.harvest.shard_rows
     n_shards = math.ceil(len(examples) / rows_per_shard)
@@ -239,7 +240,13 @@ def make_row(
 
 def harvest_fingerprint(config: Config, task: Task) -> str:
     """Hash of everything that decides the rows (not batch size: rows do not depend on it)."""
-    decisive = {
+    return hashlib.sha256(json.dumps(harvest_settings(config, task), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def harvest_settings(config: Config, task: Task) -> dict:
+    """The settings that decide the rows: the fingerprint hashes them, and fingerprint.json keeps them so that a
+    refused config can name the keys that differ."""
+    return {
         "task_name": task.name,
         "seed": config.seed,
         # compile_decoding changes speed and float rounding only, as the batch size does: a harvest may resume with
@@ -253,7 +260,6 @@ def harvest_fingerprint(config: Config, task: Task) -> str:
                     # only when set, so that harvests made before `skip` existed keep their fingerprint
                     **({"skip": config.harvest.skip} if config.harvest.skip else {})},
     }
-    return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _flat(section: dict) -> dict:
@@ -265,28 +271,54 @@ def _flat(section: dict) -> dict:
     return flat
 
 
-def _check_fingerprint(found: str | None, expected: str, out: Path) -> None:
+def _check_fingerprint(found: str | None, expected: str, out: Path, settings: dict) -> None:
     if found != expected:
         raise ValueError(
-            f"{out} holds a harvest made with a different config (fingerprint {found}, this config {expected}); "
-            "use another --run-dir, or delete that folder to harvest again"
+            f"{out} holds a harvest made with a different config (fingerprint {found}, this config {expected}; "
+            f"{_differences(out / 'fingerprint.json', settings)}); use another --run-dir, or delete that folder to "
+            "harvest again"
         )
 
 
-def _claim_folder(out: Path, config: Config, fingerprint: str) -> None:
+def _differences(marker: Path, settings: dict) -> str:
+    """`what differs: redumix.lam: 0.5 -> 0.7, ...`, from the settings that fingerprint.json keeps."""
+    try:
+        theirs = read_json(marker).get("settings")
+    except (OSError, ValueError):
+        theirs = None
+    if not isinstance(theirs, dict):
+        return f"{marker.name} predates the stored settings, so the keys that differ are not known"
+    ours, theirs = _dotted(json.loads(json.dumps(settings))), _dotted(theirs)  # JSON's types on both sides
+    missing = "(unset)"
+    changed = [f"{key}: {json.dumps(theirs.get(key, missing))} -> {json.dumps(ours.get(key, missing))}"
+               for key in sorted(ours.keys() | theirs.keys()) if theirs.get(key, missing) != ours.get(key, missing)]
+    return "what differs: " + ", ".join(changed) if changed else "the stored settings match; only the hash differs"
+
+
+def _dotted(settings: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            flat.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def _claim_folder(out: Path, config: Config, fingerprint: str, settings: dict) -> None:
     """Record which config the shards in `out` belong to, or refuse to mix in shards of another config."""
     marker = out / "fingerprint.json"
     if rank() == 0:
         if marker.exists():
-            _check_fingerprint(read_json(marker).get("fingerprint"), fingerprint, out)
+            _check_fingerprint(read_json(marker).get("fingerprint"), fingerprint, out, settings)
         elif shard_paths(out):
             raise ValueError(f"{out} holds shards but no fingerprint.json; delete the folder to harvest again")
         else:
-            atomic_write_json(marker, {"fingerprint": fingerprint})
+            atomic_write_json(marker, {"fingerprint": fingerprint, "settings": settings})
             atomic_write_text(out / "config.yaml", config_to_yaml(config))
     barrier()
     if rank() != 0:
-        _check_fingerprint(read_json(marker).get("fingerprint"), fingerprint, out)
+        _check_fingerprint(read_json(marker).get("fingerprint"), fingerprint, out, settings)
 
 
 def check_harvest(folder: Path) -> None:

@@ -68,8 +68,10 @@ def test_complete_harvest_is_skipped_and_another_config_is_refused(tmp_path, mod
     harvest(tmp_path, model_dir)
     assert "complete" in capsys.readouterr().out
     assert before == {p.name: p.stat().st_mtime_ns for p in shard_paths(tmp_path / "harvest")}
-    with pytest.raises(ValueError, match="different config"):
+    with pytest.raises(ValueError, match=r"different config .*; what differs: redumix\.lam: 0\.5 -> 0\.7\)"):
         harvest(tmp_path, model_dir, "redumix.lam=0.7")
+    marker = json.loads((tmp_path / "harvest" / "fingerprint.json").read_text())
+    assert marker["settings"]["redumix"]["lam"] == 0.5 and len(marker["fingerprint"]) == 16
 
 
 def test_a_truncated_shard_is_named_and_only_it_is_redone(tmp_path, model_dir):

@@ -1,0 +1,140 @@
+"""The CLI explains itself: each stage's --help lists its config keys, `redumix config` prints the resolved config
+or the Markdown reference (docs/config.md, kept current here), `redumix decoders` lists the decoders, `make help`
+lists the targets, and recipes resolve from any directory."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from redumix.pipeline import reference
+from redumix.pipeline.cli import SECTIONS, STAGES, main
+from redumix.pipeline.config import load_config
+from redumix.pipeline.decoders import DECODERS
+from redumix.pipeline.harvest import _differences
+from redumix.pipeline.resolve import config_to_yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse's --help and usage errors
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_top_level_help_lists_the_stages_and_the_commands(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    for name, stage in STAGES.items():
+        assert f"  {name:<10} {stage.help}" in out
+    assert "config" in out and "decoders" in out and "redumix STAGE --help" in out
+
+
+def test_stage_help_lists_its_sections_keys_with_defaults_and_help(capsys):
+    code, out, _ = run(capsys, "harvest", "--help")
+    assert code == 0
+    assert out.startswith("usage: redumix harvest")
+    assert '  harvest.n = 3000  (int)\n      Examples to harvest.' in out
+    assert '  redumix.lam = 0.5  (float)' in out and '  seed = 0  (int)' in out
+    assert "train.beta" not in out and "eval.n " not in out  # harvest reads neither section
+    _, out, _ = run(capsys, "rounds", "--help")  # a stage not in SECTIONS lists every section
+    for section in ("model.path", "harvest.n", "train.beta", "eval.decoders", "evidence.seeds", "base.corpus."):
+        assert section in out
+
+
+@pytest.mark.parametrize("stage", sorted(SECTIONS))
+def test_a_stage_module_reads_only_the_sections_its_help_lists(stage):
+    """Each `config.<section>` that the stage's module reads is listed (helpers in other modules are checked by
+    hand: ensure_base reads model, base and task)."""
+    source = (ROOT / (STAGES[stage].module.removeprefix("redumix.").replace(".", "/") + ".py")).read_text()
+    top = {s.dotted for s in reference.sections() if s.dotted and "." not in s.dotted}
+    read = set(re.findall(r"\bconfig\.([a-z_]+)\b", source)) & top
+    assert read <= set(SECTIONS[stage]), f"{stage} reads {sorted(read - set(SECTIONS[stage]))}, not in SECTIONS"
+
+
+def test_config_prints_the_resolved_config_and_touches_no_run_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # a bundled recipe's name resolves from any directory
+    code, out, _ = run(capsys, "config", "--recipe", "tiny", "harvest.n=5", "redumix.lam=0.25")
+    assert code == 0
+    assert out == config_to_yaml(load_config(ROOT / "recipes" / "tiny.yaml", ["harvest.n=5", "redumix.lam=0.25"]))
+    resolved = yaml.safe_load(out)
+    assert resolved["name"] == "tiny" and resolved["harvest"]["n"] == 5 and resolved["redumix"]["lam"] == 0.25
+    assert list(tmp_path.iterdir()) == []  # no runs/, no lock, no config.yaml
+    code, _, err = run(capsys, "config", "--recipe", "tiny", "harvest.n=0")
+    assert code == 2 and "'harvest.n': n must be >= 1" in err
+
+
+def test_config_markdown_is_docs_config_md(capsys):
+    code, out, _ = run(capsys, "config", "--markdown")
+    assert code == 0
+    assert out == reference.markdown()
+    current = (ROOT / "docs" / "config.md").read_text()
+    assert current == out, "docs/config.md is out of date: run `redumix config --markdown > docs/config.md`"
+    for section in reference.sections():
+        for key in section.keys:
+            assert key.help, f"{key.dotted} has no metadata help"
+            assert f"| `{key.dotted}` |" in out
+    assert run(capsys, "config", "--markdown", "--recipe", "tiny")[0] == 2
+
+
+def test_decoders_lists_each_decoder_with_its_help(capsys):
+    code, out, _ = run(capsys, "decoders")
+    assert code == 0
+    lines = out.splitlines()
+    assert len(lines) == len(DECODERS)
+    for line, (name, entry) in zip(lines, DECODERS.items(), strict=True):
+        assert line.startswith(name + entry.suffix + " ") and entry.help in line
+
+
+def test_recipes_resolve_from_any_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert load_config("tiny").name == "tiny"
+    assert load_config("tiny.yaml").name == "tiny"
+    assert load_config("recipes/tiny.yaml").name == "tiny"  # the Makefile's default, from elsewhere
+    assert load_config(None).name == "default"
+    own = tmp_path / "mine.yaml"
+    own.write_text("harvest:\n  n: 7\n")
+    assert load_config(own).harvest.n == 7 and load_config("mine.yaml").name == "mine"
+    code, _, err = run(capsys, "harvest", "--recipe", "nope", "--run-dir", str(tmp_path / "run"))
+    assert code == 2
+    assert "recipe not found: nope (pass --recipe PATH to a YAML file, or a bundled recipe's name: " in err
+    assert "tiny" in err and "smollm2-135m-arith" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_config_command_runs_from_another_directory(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "redumix.pipeline.cli", "config", "--recipe", "tiny"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert yaml.safe_load(done.stdout)["harvest"]["n"] == load_config("tiny").harvest.n
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_make_help_lists_the_targets():
+    done = subprocess.run(["make", "-s", "--no-print-directory", "help"], cwd=ROOT, capture_output=True, text=True,
+                          check=True)
+    phony = re.search(r"^\.PHONY: (.*)$", (ROOT / "Makefile").read_text(), re.M).group(1).split()
+    for target in phony:
+        if target != "$(STAGES)":
+            assert f"make {target} " in done.stdout, target
+    assert " ".join(STAGES) in done.stdout
+
+
+def test_a_refused_harvest_names_the_keys_that_differ(tmp_path):
+    marker = tmp_path / "fingerprint.json"
+    theirs = {"seed": 0, "redumix": {"lam": 0.5, "topk": 32}, "harvest": {"n": 8}}
+    marker.write_text(json.dumps({"fingerprint": "abc", "settings": theirs}))
+    ours = {"seed": 0, "redumix": {"lam": 0.7, "topk": 32}, "harvest": {"n": 8, "skip": 8}}
+    assert _differences(marker, ours) == "what differs: harvest.skip: \"(unset)\" -> 8, redumix.lam: 0.5 -> 0.7"
+    marker.write_text(json.dumps({"fingerprint": "abc"}))  # a folder harvested before the settings were kept
+    assert "predates the stored settings" in _differences(marker, ours)
