@@ -2,7 +2,7 @@
 
 Each row asserts ONE clear error that names the file (and line) or the config key and says what to do, and, where
 outputs existed before, that they are byte-identical afterwards. The length rows are not errors by design: they
-assert the documented behaviour instead. README.md's "Bad input" table lists the same rows.
+assert the documented behaviour instead. docs/robustness.md's "Bad input" table lists the same rows.
 """
 
 from __future__ import annotations

@@ -274,7 +274,7 @@ def test_the_tiny_recipe_uses_the_shipped_base():
     longer than the pipeline's budget for it (docs/measurements.md, "Building the embedded base")."""
     config = load_config("recipes/tiny.yaml")
     folder = shipped_base(config)
-    assert folder is not None, "models/tiny-base does not match recipes/tiny.yaml: rebuild it (see the README)"
+    assert folder is not None, "models/tiny-base does not match recipes/tiny.yaml: rebuild it (see docs/design.md)"
     assert build_settings(config) == (folder / "build_config.yaml").read_text()
     metrics = json.loads((folder / "metrics.json").read_text())
     assert metrics["build"]["parameters"] == 516_960 and metrics["n"] == config.base.eval_n

@@ -48,7 +48,8 @@ def test_outputs_are_as_readable_as_the_umask_says(tmp_path, mask, mode):
 
 
 def test_train_and_export_made_from_an_old_harvest_are_redone_after_a_reharvest(tmp_path, capsys):
-    """The README's advice (delete harvest/, harvest again) must not leave train/ and export/ from the old rows."""
+    """The advice in docs/robustness.md (delete harvest/, harvest again) must not leave train/ and export/ from the
+    old rows."""
     import shutil
 
     from redumix.pipeline.config import load_config
