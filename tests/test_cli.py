@@ -138,3 +138,12 @@ def test_a_refused_harvest_names_the_keys_that_differ(tmp_path):
     assert _differences(marker, ours) == "what differs: harvest.skip: \"(unset)\" -> 8, redumix.lam: 0.5 -> 0.7"
     marker.write_text(json.dumps({"fingerprint": "abc"}))  # a folder harvested before the settings were kept
     assert "predates the stored settings" in _differences(marker, ours)
+
+
+def test_the_shipped_base_is_found_from_another_directory(tmp_path, monkeypatch):
+    """`base.shipped: models/tiny-base` is relative to the repository when the run starts elsewhere, so `redumix
+    harvest --recipe tiny` copies the shipped build there too instead of building for minutes."""
+    from redumix.embedded.stage import shipped_base
+
+    monkeypatch.chdir(tmp_path)
+    assert shipped_base(load_config("tiny")) == ROOT / "models" / "tiny-base"
