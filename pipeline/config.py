@@ -87,6 +87,21 @@ class RoundsConfig:
         default_factory=lambda: ["greedy", "redumix-oracle"],
         metadata={"help": "What each round's eval runs (eval.n for greedy, eval.n_other for the others)."},
     )
+    accumulate: bool = field(
+        default=False,
+        metadata={"help": "Round k trains on the rows of rounds 1..k, not on its own alone (accumulating bounds "
+                  "model collapse where replacing does not: Gerstgrasser et al. 2024)."},
+    )
+    restart: Literal["last", "start"] = field(
+        default="last",
+        metadata={"help": "Which model round k trains: 'last' = round k-1's tuned model, 'start' = the rounds' "
+                  "starting model (model.path) every round, as ReST-EM does."},
+    )
+    harvester: Literal["last", "start"] = field(
+        default="last",
+        metadata={"help": "Which model harvests round k: 'last' = round k-1's tuned model, 'start' = the starting "
+                  "model, frozen, while the trained model moves."},
+    )
 
     def __post_init__(self) -> None:
         problems = []

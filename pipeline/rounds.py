@@ -48,23 +48,33 @@ def round_config(config: Config, index: int, start: Path) -> Config:
 
 
 def run_rounds(config: Config, run: RunDir) -> dict[str, Any]:
+    """Each round harvests with `rounds.harvester`, trains `rounds.restart` on its rows (and, with
+    `rounds.accumulate`, every earlier round's), and evaluates what it trained."""
     check_decoder_names(config.rounds.decoders)
     ensure_base(config, run)
-    start = model_path(config.model.path, run).resolve()
+    first = model_path(config.model.path, run).resolve()
+    last = first  # the model the latest round produced
     for index in range(1, config.rounds.count + 1):
         here = round_dir(run, index)
-        print0(f"rounds: round {index} of {config.rounds.count} in {here.root}, from {start}")
-        settings = round_config(config, index, start)
+        harvester = first if config.rounds.harvester == "start" else last
+        trainee = first if config.rounds.restart == "start" else last
+        print0(f"rounds: round {index} of {config.rounds.count} in {here.root}: {harvester} harvests, "
+               f"{trainee} trains")
+        settings = round_config(config, index, trainee)
+        earlier = [str(round_dir(run, i).harvest) for i in range(1, index)] if config.rounds.accumulate else []
+        settings = dataclasses.replace(settings, train=dataclasses.replace(settings.train, more_harvests=earlier))
         if rank() == 0:
             here.root.mkdir(parents=True, exist_ok=True)
             atomic_write_text(here.config, config_to_yaml(settings))
-        run_harvest(settings, here)
+        harvest_settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model,
+                                                                                  path=str(harvester)))
+        run_harvest(harvest_settings, here)
         run_train(settings, here)
         run_eval(settings, here)
         if rank() == 0:
             summary = summarize_rounds(config, run, index)
             write_summary(run, summary)
-        start = (here.train / "merged").resolve()
+        last = (here.train / "merged").resolve()
     return read_json(run.root / "rounds" / "rounds.json") if rank() == 0 else {}
 
 

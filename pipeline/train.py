@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from datasets import concatenate_datasets
 from transformers import PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -42,7 +43,7 @@ from redumix.pipeline.run import (
     read_json,
     world_size,
 )
-from redumix.train.data import build_examples, filter_rows, load_harvest, split_heldout
+from redumix.train.data import build_examples, filter_rows, load_harvest, skill_examples, split_heldout
 from redumix.train.onpolicy import LiveMixtureTeacher
 from redumix.train.trainer import build_trainer, heldout_kl
 
@@ -55,8 +56,12 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
     tc = config.train
     model_path = base_model_path(config, run)
     harvest_dir = Path(tc.harvest_dir) if tc.harvest_dir else run.harvest
-    check_harvest(harvest_dir)
+    harvest_dirs = [harvest_dir, *map(Path, tc.more_harvests)]
+    for folder in harvest_dirs:
+        check_harvest(folder)
     inputs = {"base": model_id(model_path), "harvest": harvest_id(harvest_dir)}
+    if tc.more_harvests:
+        inputs["more_harvests"] = [harvest_id(folder) for folder in harvest_dirs[1:]]
     marker = run.train / "metrics.json"
     if marker.is_file() and not changed_inputs(read_json(marker).get("inputs"), inputs):
         print0(f"train: already complete ({marker}); delete {run.train} to train again")
@@ -64,7 +69,7 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
     tokenizer = load_tokenizer(model_path, config.model.trust_remote_code)
 
     # --- rows -> examples -----------------------------------------------------------------------------------------
-    harvested = load_harvest(harvest_dir)
+    harvested = concatenate_datasets([load_harvest(folder) for folder in harvest_dirs])
     rows = filter_rows(harvested, tc.rows)
     train_rows, held_rows = split_heldout(rows, tc.heldout_fraction)
     held_rows = held_rows.select(range(min(len(held_rows), tc.heldout_max_rows)))
@@ -75,6 +80,10 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
     held_examples = build_examples(held_rows, tokenizer, tc.max_length)
     counts = {"harvested": len(harvested), "selected": len(rows), "train": len(train_examples),
               "heldout": len(held_examples)}
+    if tc.skill_rows:  # the trainer's sampler shuffles them in among the x -> y examples
+        skill = skill_examples(train_rows, tokenizer, tc.max_length)
+        train_examples = concatenate_datasets([train_examples, skill.cast(train_examples.features)])
+        counts["skill"] = len(skill)
     print0(f"train: rows {counts} (filter '{tc.rows}', target '{tc.target}', policy '{tc.policy}')")
     if len(train_examples) == 0:
         if any(train_rows["redo_token_ids"]):  # rows with a redo, but every prompt alone fills train.max_length

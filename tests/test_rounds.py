@@ -73,3 +73,63 @@ def test_a_round_that_does_not_improve_says_so():
 def test_bad_rounds_settings_name_the_key():
     with pytest.raises(ConfigError, match="rounds"):
         load_config(ROOT / "recipes" / "tiny.yaml", ["rounds.count=0"])
+
+
+def test_a_round_policy_can_accumulate_rows_and_anchor_the_trainee_and_the_harvester(tmp_path, tiny_model_dir):
+    from redumix.pipeline.lineage import harvest_id, model_id
+
+    config = load_config(ROOT / "recipes" / "tiny.yaml", [f"model.path={tiny_model_dir}", *SMALL,
+                                                          "rounds.accumulate=true", "rounds.restart=start",
+                                                          "rounds.harvester=start"])
+    run = RunDir(tmp_path / "run")
+    run_rounds(config, run)
+    first, second = round_dir(run, 1), round_dir(run, 2)
+    trained = json.loads((second.train / "metrics.json").read_text())
+    assert trained["rows"]["harvested"] == 12  # its own 6 rows and round 1's
+    assert trained["inputs"]["more_harvests"] == [harvest_id(first.harvest)]
+    assert trained["inputs"]["base"] == model_id(tiny_model_dir)  # restarted from the starting model
+    models = {json.loads(row["meta"])["model"] for row in iter_rows(shard_paths(second.harvest))}
+    assert models == {str(Path(tiny_model_dir).resolve())}  # harvested by the starting model, not round 1's
+
+
+def test_skill_rows_teach_the_reflection_turn_and_the_in_context_redo_of_right_redos(tiny_tokenizer):
+    from datasets import Dataset
+
+    from redumix.data.chat import prompt_ids
+    from redumix.data.prompts import reflect_messages
+    from redumix.train.data import end_of_turn_ids, skill_examples
+
+    def row(i: int, right: bool) -> dict:
+        return {"id": f"r{i}", "prompt": f"What is {i} + 1?", "original": f"{i} + 1 = 9", "feedback": "Wrong.",
+                "reflection": f"Check: {i} + 1 = {i + 1}.", "redo": f"{i} + 1 = {i + 1}", "redo_correct": right,
+                "x2_token_ids": [5, 6, 7, i]}
+
+    rows = Dataset.from_list([row(1, True), row(2, False), row(3, True)])
+    examples = skill_examples(rows, tiny_tokenizer, max_length=512)
+    assert examples["id"] == ["r1/reflect", "r1/redo-in-context", "r3/reflect", "r3/redo-in-context"]
+    end = end_of_turn_ids(tiny_tokenizer)
+    reflect, redo = examples[0], examples[1]
+    context = prompt_ids(tiny_tokenizer, reflect_messages("What is 1 + 1?", "1 + 1 = 9", "Wrong."))
+    assert reflect["input_ids"][: reflect["prompt_length"]] == context
+    assert tiny_tokenizer.decode(reflect["input_ids"][reflect["prompt_length"]:-len(end)]) == "Check: 1 + 1 = 2."
+    assert redo["input_ids"][: redo["prompt_length"]] == [5, 6, 7, 1]  # x2 exactly as the harvest cached it
+    assert tiny_tokenizer.decode(redo["input_ids"][redo["prompt_length"]:-len(end)]) == "1 + 1 = 2"
+    assert [t for [t] in redo["teacher_ids"]] == redo["input_ids"][redo["prompt_length"]:]  # one-hot on its text
+
+
+def test_training_with_skill_rows_adds_two_examples_per_right_redo(tmp_path):
+    from redumix.pipeline.train import run_train
+    from redumix.train.data import filter_rows, load_harvest, split_heldout
+    from tests.train_fixtures import write_base, write_harvest
+
+    run = RunDir(tmp_path / "run")
+    write_base(run.base)
+    write_harvest(run.harvest, n_rows=24, length=12)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: r\n")
+    settings = [f"model.path={run.base}", "train.batch_size=4", "train.max_steps=2", "train.heldout_fraction=0.2",
+                "train.skill_rows=true"]
+    result = run_train(load_config(recipe, settings), run)
+    train_rows, _ = split_heldout(filter_rows(load_harvest(run.harvest), "all"), 0.2)
+    right = sum(r is True for r in train_rows["redo_correct"])
+    assert right > 0 and result["rows"]["skill"] == 2 * right

@@ -67,6 +67,17 @@ class TrainConfig:
     harvest_dir: str = field(
         default="", metadata={"help": "Harvest folder to learn from; empty = RUN_DIR/harvest (evidence arms share)."}
     )
+    more_harvests: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Further harvest folders whose rows join harvest_dir's (rounds.accumulate lists the "
+                  "earlier rounds' harvests here)."},
+    )
+    skill_rows: bool = field(
+        default=False,
+        metadata={"help": "Also learn, as hard labels, the reflection turn (prompt + attempt + feedback -> "
+                  "reflection) and the in-context redo (x2 -> redo) of every row whose redo is right: the skill "
+                  "that makes the harvest is trained, not only its product x -> redo."},
+    )
     seed: int = field(
         default=-1, metadata={"help": "Trainer seed (initialisation, data order, on-policy samples); -1 = the run's."}
     )
@@ -127,5 +138,7 @@ class TrainConfig:
         if self.policy == "on_policy" and self.target != "mixture":
             problems.append(f"policy 'on_policy' learns the live p_mix, so target must be 'mixture', not "
                             f"{self.target!r}")
+        if self.policy == "on_policy" and self.skill_rows:
+            problems.append("skill_rows are offline hard labels; use them with policy 'offline'")
         if problems:
             raise ValueError("; ".join(problems))

@@ -12,7 +12,7 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from redumix.data.chat import prompt_ids, template_pieces
-from redumix.data.prompts import attempt_messages
+from redumix.data.prompts import attempt_messages, redo_messages, reflect_messages
 from redumix.data.shards import load_shards
 from redumix.train.config import RowFilter, Target
 
@@ -91,6 +91,41 @@ def build_examples(
                              f"(e.g. {missing[:3]})")
     keep_columns = {"id"}
     examples = rows.map(encode, remove_columns=[c for c in rows.column_names if c not in keep_columns])
+    return examples.filter(lambda e: len(e["input_ids"]) > e["prompt_length"])
+
+
+def skill_examples(rows: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int) -> Dataset:
+    """The reflection turn and the in-context redo of every row whose redo is right, as hard-label examples.
+
+    Distilling x -> redo alone teaches the product of a reflection and never the reflecting, so each round's model
+    reflects worse than the last (SCoRe's behaviour collapse). These rows keep the improvement operator trained:
+    [x ‖ y1 ‖ r ‖ REFLECT] -> c, and x2 (as the harvest cached it) -> redo. Only rows where reflecting fixed the
+    attempt or kept it right are taught; a reflection that broke a right answer is not.
+    """
+    end_of_turn = end_of_turn_ids(tokenizer)
+
+    def hard(prompt: list[int], text: str) -> dict[str, Any]:
+        room = max(0, max_length - len(prompt))
+        y = (tokenizer(text, add_special_tokens=False)["input_ids"] + end_of_turn)[:room]
+        return {"input_ids": prompt + y, "prompt_length": len(prompt), "teacher_ids": [[t] for t in y],
+                "teacher_logprobs": [[0.0]] * len(y), "teacher_tail": [float("-inf")] * len(y)}
+
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        out: dict[str, list] = {"id": [], "input_ids": [], "prompt_length": [], "teacher_ids": [],
+                                "teacher_logprobs": [], "teacher_tail": []}
+        for i, example_id in enumerate(batch["id"]):
+            x, y1, r, c = batch["prompt"][i], batch["original"][i], batch["feedback"][i], batch["reflection"][i]
+            x2 = list(batch["x2_token_ids"][i]) if "x2_token_ids" in batch else prompt_ids(
+                tokenizer, redo_messages(x, y1, r, c))
+            pairs = [(prompt_ids(tokenizer, reflect_messages(x, y1, r)), c), (x2, batch["redo"][i])]
+            for kind, (prompt, text) in zip(("reflect", "redo-in-context"), pairs, strict=True):
+                for key, value in hard(prompt, text).items():
+                    out[key].append(value)
+                out["id"].append(f"{example_id}/{kind}")
+        return out
+
+    right = rows.filter(lambda r: r["redo_correct"] is True)
+    examples = right.map(encode, batched=True, remove_columns=right.column_names)
     return examples.filter(lambda e: len(e["input_ids"]) > e["prompt_length"])
 
 
