@@ -10,7 +10,6 @@ whether it did, so all ranks run or none does.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from redumix.pipeline.run import atomic_write_json, print0, rank, world_size
+from redumix.pipeline.run import atomic_write_json, print0, rank, read_json_or_none, world_size
 
 LOCK_NAME = ".redumix.lock"
 HOLDER_NAME = ".redumix.lock.json"
@@ -55,7 +54,7 @@ def _acquire(lock: FileLock, root: Path, stage: str) -> bool:
     except Timeout:
         return False
     holder_path = root / HOLDER_NAME
-    stale = _read_holder(holder_path)  # written by a process that held this lock and died without releasing it
+    stale = read_json_or_none(holder_path)  # written by a process that held this lock and died without releasing it
     if stale:
         print0(f"redumix: took over the lock of {root} left by {_describe(stale)}, which is no longer running; "
                "its stage resumes from what it wrote")
@@ -82,16 +81,9 @@ def _all_ranks_agree(taken: bool) -> bool:
 def _wait_for_holder(path: Path, seconds: float = 2.0) -> dict | None:
     """The holder's note, which it writes just after it takes the lock: a refusal can land in between."""
     deadline = time.time() + seconds
-    while (holder := _read_holder(path)) is None and time.time() < deadline:
+    while (holder := read_json_or_none(path)) is None and time.time() < deadline:
         time.sleep(0.05)
     return holder
-
-
-def _read_holder(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _describe(holder: dict) -> str:

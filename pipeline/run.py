@@ -107,6 +107,15 @@ def read_json(path: Path) -> Any:
         raise ValueError(f"{path}: not valid JSON ({exc}); delete it to redo the stage that wrote it") from exc
 
 
+def read_json_or_none(path: Path) -> Any:
+    """A JSON file's contents, or None when it is missing, unreadable or torn (a note another process may be
+    writing or may have left half-written)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def log_metrics(run: RunDir, stage: str, **values: Any) -> None:
     """Append one JSON line to logs/metrics.jsonl (rank 0 only). A line is one write, so a crash cannot tear it."""
     if rank() != 0:

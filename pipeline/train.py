@@ -41,6 +41,7 @@ from redumix.pipeline.run import (
     print0,
     rank,
     read_json,
+    read_json_or_none,
     world_size,
 )
 from redumix.train.data import build_examples, filter_rows, load_harvest, skill_examples, split_heldout
@@ -169,12 +170,12 @@ def forget_stale_outputs(out: Path, inputs: dict[str, str | None]) -> None:
     record = out / "inputs.json"
     if rank() != 0:
         deadline = time.time() + 600
-        while not (record.is_file() and _read_or_none(record) == inputs):
+        while not (record.is_file() and read_json_or_none(record) == inputs):
             if time.time() > deadline:
                 raise RuntimeError(f"train: rank 0 did not record this run's inputs in {record} within 10 minutes")
             time.sleep(0.1)
         return
-    recorded = _read_or_none(record)
+    recorded = read_json_or_none(record)
     if recorded is None and (out / "metrics.json").is_file():
         recorded = read_json(out / "metrics.json").get("inputs")
     changed = changed_inputs(recorded, inputs) if out.exists() and any(out.iterdir()) else []
@@ -183,13 +184,6 @@ def forget_stale_outputs(out: Path, inputs: dict[str, str | None]) -> None:
                "it is stale, so it is trained again from the start")
         shutil.rmtree(out)
     atomic_write_json(record, inputs)
-
-
-def _read_or_none(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def base_model_path(config: Config, run: RunDir) -> Path:
