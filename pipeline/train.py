@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from redumix.data.tasks import make_task
+from redumix.embedded.replay import replay_conversations
 from redumix.generate.model_io import load_tokenizer, load_weights, stop_token_ids
 from redumix.generate.policy import SamplingPolicy
 from redumix.pipeline.config import Config
@@ -44,7 +45,14 @@ from redumix.pipeline.run import (
     read_json_or_none,
     world_size,
 )
-from redumix.train.data import build_examples, filter_rows, load_harvest, skill_examples, split_heldout
+from redumix.train.data import (
+    build_examples,
+    conversation_examples,
+    filter_rows,
+    load_harvest,
+    skill_examples,
+    split_heldout,
+)
 from redumix.train.onpolicy import LiveMixtureTeacher
 from redumix.train.trainer import build_trainer, heldout_kl
 
@@ -85,6 +93,11 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
         skill = skill_examples(train_rows, tokenizer, tc.max_length)
         train_examples = concatenate_datasets([train_examples, skill.cast(train_examples.features)])
         counts["skill"] = len(skill)
+    if tc.replay:
+        wanted = round(len(train_examples) * tc.replay / (1 - tc.replay))
+        replay = conversation_examples(replay_conversations(config, wanted), tokenizer, tc.max_length)
+        train_examples = concatenate_datasets([train_examples, replay.cast(train_examples.features)])
+        counts["replay"] = len(replay)
     print0(f"train: rows {counts} (filter '{tc.rows}', target '{tc.target}', policy '{tc.policy}')")
     if len(train_examples) == 0:
         if any(train_rows["redo_token_ids"]):  # rows with a redo, but every prompt alone fills train.max_length

@@ -78,6 +78,12 @@ class TrainConfig:
                   "reflection) and the in-context redo (x2 -> redo) of every row whose redo is right: the skill "
                   "that makes the harvest is trained, not only its product x -> redo."},
     )
+    replay: float = field(
+        default=0.0,
+        metadata={"help": "Share of the training examples that replay the embedded base's own reflection, critique "
+                  "and refine episodes (its corpus), as hard labels, so that distilling redos does not erase the "
+                  "turns PDR, SR and reflection run on; 0 = none. Arith only."},
+    )
     seed: int = field(
         default=-1, metadata={"help": "Trainer seed (initialisation, data order, on-policy samples); -1 = the run's."}
     )
@@ -138,7 +144,9 @@ class TrainConfig:
         if self.policy == "on_policy" and self.target != "mixture":
             problems.append(f"policy 'on_policy' learns the live p_mix, so target must be 'mixture', not "
                             f"{self.target!r}")
-        if self.policy == "on_policy" and self.skill_rows:
-            problems.append("skill_rows are offline hard labels; use them with policy 'offline'")
+        if self.policy == "on_policy" and (self.skill_rows or self.replay):
+            problems.append("skill_rows and replay are offline hard labels; use them with policy 'offline'")
+        if not 0.0 <= self.replay < 1.0:
+            problems.append(f"replay must lie in [0, 1), got {self.replay}")
         if problems:
             raise ValueError("; ".join(problems))

@@ -12,10 +12,11 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from redumix.data.chat import prompt_ids, template_pieces
-from redumix.data.prompts import attempt_messages, redo_messages, reflect_messages
+from redumix.data.prompts import Message, attempt_messages, redo_messages, reflect_messages
 from redumix.data.shards import load_shards
 from redumix.train.config import RowFilter, Target
 
+EXAMPLE_COLUMNS = ("id", "input_ids", "prompt_length", "teacher_ids", "teacher_logprobs", "teacher_tail")
 TEACHER_COLUMNS = ("redo_token_ids", "mix_topk_ids", "mix_topk_logprobs", "mix_tail_logprob")
 
 
@@ -76,9 +77,7 @@ def build_examples(
             example.update(_stored_teacher(row, room, has_tail))
         else:
             text = solutions[row["id"]] if target == "gold" else row[target]
-            y = (tokenizer(text, add_special_tokens=False)["input_ids"] + end_of_turn)[:room]
-            example = {"input_ids": prompt + y, "prompt_length": len(prompt), "teacher_ids": [[t] for t in y],
-                       "teacher_logprobs": [[0.0]] * len(y), "teacher_tail": [float("-inf")] * len(y)}
+            example = hard_example(prompt, text, end_of_turn, tokenizer, max_length)
         if with_contexts:
             example["x2_ids"] = list(row["x2_token_ids"])
             example["lam"] = float(row["lam"])
@@ -94,6 +93,15 @@ def build_examples(
     return examples.filter(lambda e: len(e["input_ids"]) > e["prompt_length"])
 
 
+def hard_example(prompt: list[int], text: str, end_of_turn: list[int], tokenizer: PreTrainedTokenizerBase,
+                 max_length: int) -> dict[str, Any]:
+    """[prompt ‖ text ‖ end of turn] with a one-hot teacher on the text: the sparse loss is then cross-entropy."""
+    room = max(0, max_length - len(prompt))
+    y = (tokenizer(text, add_special_tokens=False)["input_ids"] + end_of_turn)[:room]
+    return {"input_ids": prompt + y, "prompt_length": len(prompt), "teacher_ids": [[t] for t in y],
+            "teacher_logprobs": [[0.0]] * len(y), "teacher_tail": [float("-inf")] * len(y)}
+
+
 def skill_examples(rows: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int) -> Dataset:
     """The reflection turn and the in-context redo of every row whose redo is right, as hard-label examples.
 
@@ -104,28 +112,44 @@ def skill_examples(rows: Dataset, tokenizer: PreTrainedTokenizerBase, max_length
     """
     end_of_turn = end_of_turn_ids(tokenizer)
 
-    def hard(prompt: list[int], text: str) -> dict[str, Any]:
-        room = max(0, max_length - len(prompt))
-        y = (tokenizer(text, add_special_tokens=False)["input_ids"] + end_of_turn)[:room]
-        return {"input_ids": prompt + y, "prompt_length": len(prompt), "teacher_ids": [[t] for t in y],
-                "teacher_logprobs": [[0.0]] * len(y), "teacher_tail": [float("-inf")] * len(y)}
-
     def encode(batch: dict[str, list]) -> dict[str, list]:
-        out: dict[str, list] = {"id": [], "input_ids": [], "prompt_length": [], "teacher_ids": [],
-                                "teacher_logprobs": [], "teacher_tail": []}
+        out: dict[str, list] = {key: [] for key in EXAMPLE_COLUMNS}
         for i, example_id in enumerate(batch["id"]):
             x, y1, r, c = batch["prompt"][i], batch["original"][i], batch["feedback"][i], batch["reflection"][i]
             x2 = list(batch["x2_token_ids"][i]) if "x2_token_ids" in batch else prompt_ids(
                 tokenizer, redo_messages(x, y1, r, c))
             pairs = [(prompt_ids(tokenizer, reflect_messages(x, y1, r)), c), (x2, batch["redo"][i])]
             for kind, (prompt, text) in zip(("reflect", "redo-in-context"), pairs, strict=True):
-                for key, value in hard(prompt, text).items():
+                for key, value in hard_example(prompt, text, end_of_turn, tokenizer, max_length).items():
                     out[key].append(value)
                 out["id"].append(f"{example_id}/{kind}")
         return out
 
     right = rows.filter(lambda r: r["redo_correct"] is True)
     examples = right.map(encode, batched=True, remove_columns=right.column_names)
+    return examples.filter(lambda e: len(e["input_ids"]) > e["prompt_length"])
+
+
+def conversation_examples(
+    conversations: list[tuple[str, list[Message], tuple[int, ...]]],
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+) -> Dataset:
+    """(id, messages, trained turn indices) -> one hard-label example per trained assistant turn, its prompt being
+    the conversation before that turn (`train.replay`'s episodes)."""
+    end_of_turn = end_of_turn_ids(tokenizer)
+    out: dict[str, list] = {key: [] for key in EXAMPLE_COLUMNS}
+    for conversation_id, messages, trained in conversations:
+        for turn in trained:
+            if messages[turn]["role"] != "assistant":
+                raise ValueError(f"conversation {conversation_id!r}: turn {turn} is a {messages[turn]['role']} "
+                                 "turn; only assistant turns can be trained")
+            example = hard_example(prompt_ids(tokenizer, messages[:turn]), messages[turn]["content"], end_of_turn,
+                                   tokenizer, max_length)
+            for key, value in example.items():
+                out[key].append(value)
+            out["id"].append(f"{conversation_id}/turn-{turn}")
+    examples = Dataset.from_dict(out)
     return examples.filter(lambda e: len(e["input_ids"]) > e["prompt_length"])
 
 
