@@ -41,6 +41,7 @@ STAGES: dict[str, Stage] = {
     "export": Stage("redumix.pipeline.export", "run_export", "DPO pairs from the harvest's shards"),
     "calibrate": Stage("redumix.pipeline.calibrate", "run_calibrate", "pick the reflective gate and stop rule"),
     "rounds": Stage("redumix.pipeline.rounds", "run_rounds", "harvest, train, eval, round after round", ranked=True),
+    "ablation": Stage("redumix.pipeline.ablation", "run_ablation", "which ingredient of the round policy gains"),
     "evidence": Stage("redumix.pipeline.evidence", "run_evidence", "controls and ablations of the distillation claim"),
 }
 

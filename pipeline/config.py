@@ -103,10 +103,18 @@ class RoundsConfig:
                   "model, frozen, while the trained model moves."},
     )
 
+    ablation_seeds: list[int] = field(
+        default_factory=lambda: [0, 1, 2],
+        metadata={"help": "`redumix ablation`: the trainer seeds of the policy arm; every other arm trains with the "
+                  "first."},
+    )
+
     def __post_init__(self) -> None:
         problems = []
         if self.count < 1:
             problems.append(f"count must be >= 1, got {self.count}")
+        if not self.ablation_seeds:
+            problems.append("ablation_seeds must list at least one seed")
         if not self.decoders:
             problems.append("decoders must name at least one decoder")
         if problems:

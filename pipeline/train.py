@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from redumix.data.tasks import make_task
-from redumix.embedded.replay import replay_conversations
+from redumix.embedded.replay import CONTEXT_ONLY, replay_conversations
 from redumix.generate.model_io import load_tokenizer, load_weights, stop_token_ids
 from redumix.generate.policy import SamplingPolicy
 from redumix.pipeline.config import Config
@@ -91,11 +91,13 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
               "heldout": len(held_examples)}
     if tc.skill_rows:  # the trainer's sampler shuffles them in among the x -> y examples
         skill = skill_examples(train_rows, tokenizer, tc.max_length)
-        train_examples = concatenate_datasets([train_examples, skill.cast(train_examples.features)])
+        if len(skill):  # none when no redo was right
+            train_examples = concatenate_datasets([train_examples, skill.cast(train_examples.features)])
         counts["skill"] = len(skill)
     if tc.replay:
         wanted = round(len(train_examples) * tc.replay / (1 - tc.replay))
-        replay = conversation_examples(replay_conversations(config, wanted), tokenizer, tc.max_length)
+        context_only = frozenset(tokenizer.convert_tokens_to_ids(list(CONTEXT_ONLY)))
+        replay = conversation_examples(replay_conversations(config, wanted), tokenizer, tc.max_length, context_only)
         train_examples = concatenate_datasets([train_examples, replay.cast(train_examples.features)])
         counts["replay"] = len(replay)
     print0(f"train: rows {counts} (filter '{tc.rows}', target '{tc.target}', policy '{tc.policy}')")

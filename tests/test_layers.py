@@ -3,7 +3,8 @@
 - data/, generate/ and train/ import nothing from embedded/ or pipeline/; data/ (tasks, formats) knows no model, so it
   imports nothing from generate/ or train/ either, and generate/ nothing from train/;
 - the stages in pipeline/ reach the embedded model only through `ensure_base`; the CLI also runs `run_base` (the
-  `base` stage), and pipeline/config.py composes the `base` section, `BaseConfig`.
+  `base` stage), pipeline/config.py composes the `base` section, `BaseConfig`, and pipeline/train.py replays the
+  base's corpus (`train.replay`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ ENSURE_BASE = ("redumix.embedded.stage", "ensure_base")
 EMBEDDED_ALLOWED = {
     "cli.py": {ENSURE_BASE, ("redumix.embedded.stage", "run_base")},
     "config.py": {ENSURE_BASE, ("redumix.embedded.config", "BaseConfig")},
+    "train.py": {ENSURE_BASE, ("redumix.embedded.replay", "replay_conversations"),
+                 ("redumix.embedded.replay", "CONTEXT_ONLY")},
 }
 
 

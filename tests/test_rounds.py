@@ -44,8 +44,14 @@ def test_rounds_chain_models_use_disjoint_problems_resume_and_report(tmp_path, t
     assert [row["round"] for row in summary["rounds"]] == [0, 1, 2]
     for row in summary["rounds"]:
         assert row["greedy"]["n"] == 4 and row["redumix-oracle"]["n"] == 3
-    assert "greedy_vs_previous" not in summary["rounds"][0]
-    assert all("greedy_vs_previous" in row and "heldout_kl" in row for row in summary["rounds"][1:])
+    assert "vs_previous" not in summary["rounds"][0]["greedy"] and "lost" not in summary["rounds"][0]
+    for row in summary["rounds"][1:]:
+        for decoder in ("greedy", "redumix-oracle"):  # paired with the same problems of the models before
+            before, start = row[decoder]["vs_previous"], row[decoder]["vs_start"]
+            assert before["fixed"] + before["broken"] <= row[decoder]["n"] and start is not None
+        assert row["drift_kl"] >= 0 and row["train"]["steps"] == 2 and "heldout_kl" in row
+        assert {"fixed", "broken"} <= set(row["harvest"])
+    assert summary["rounds"][1]["greedy"]["vs_previous"] == summary["rounds"][1]["greedy"]["vs_start"]
     assert [row["harvest"]["skip"] for row in summary["rounds"][1:]] == [0, 6]
     folder = run.root / "rounds"
     assert (folder / "rounds.png").stat().st_size > 0
@@ -61,13 +67,23 @@ def test_rounds_chain_models_use_disjoint_problems_resume_and_report(tmp_path, t
     assert {p: p.stat().st_mtime_ns for p in run.root.rglob("*.safetensors")} == stamps
 
 
-def test_a_round_that_does_not_improve_says_so():
-    row = {"round": 1, "greedy": {"accuracy": 0.4, "ci_low": 0.35, "ci_high": 0.45, "n": 300, "mean_tokens": 20.0},
-           "greedy_vs_previous": {"change": -0.02, "low": -0.05, "high": 0.01, "fixed": 10, "broken": 16},
-           "improved": False}
-    base = {"round": 0, "greedy": {"accuracy": 0.42, "ci_low": 0.37, "ci_high": 0.47, "n": 300, "mean_tokens": 20.0}}
-    text = rounds_markdown({"decoders": ["greedy"], "rounds": [base, row]})
-    assert "**did not improve**" in text and "-2.0 pts [-5.0, +1.0]" in text
+def test_a_round_that_does_not_improve_or_loses_a_skill_says_so():
+    def accuracy(value: float, change: dict | None = None) -> dict:
+        return {"accuracy": value, "ci_low": value - 0.05, "ci_high": value + 0.05, "n": 300, "mean_tokens": 20.0,
+                **({"vs_previous": change, "vs_start": change} if change else {})}
+
+    flat = {"change": -0.02, "low": -0.05, "high": 0.01, "fixed": 10, "broken": 16}
+    worse = {"change": -0.10, "low": -0.15, "high": -0.05, "fixed": 3, "broken": 33}
+    row = {"round": 1, "greedy": accuracy(0.4, flat), "pdr": accuracy(0.5, worse), "improved": False, "lost": ["pdr"],
+           "harvest": {"original_accuracy": 0.4, "redo_accuracy": 0.8, "fixed": 120, "broken": 4},
+           "train": {"rows": {"train": 90, "skill": 100}, "steps": 12, "wall_seconds": 30.0},
+           "heldout_kl": {"before": 0.1, "after": 0.05}, "drift_kl": 0.02}
+    base = {"round": 0, "greedy": accuracy(0.42), "pdr": accuracy(0.6)}
+    text = rounds_markdown({"decoders": ["greedy", "pdr"], "rounds": [base, row]})
+    assert "**did not improve**" in text and "-2.0 [-5.0, +1.0] (10 / 16)" in text
+    assert "-10.0 [-15.0, -5.0] (3 / 33) **lost**" in text
+    details = "| 1 | 40.0% → 80.0% (120 / 4) | train 90, skill 100 | 12 | 30 | 0.1000 → 0.0500 | 0.0200 | 20.0 | pdr |"
+    assert details in text
 
 
 def test_bad_rounds_settings_name_the_key():
@@ -133,3 +149,57 @@ def test_training_with_skill_rows_adds_two_examples_per_right_redo(tmp_path):
     train_rows, _ = split_heldout(filter_rows(load_harvest(run.harvest), "all"), 0.2)
     right = sum(r is True for r in train_rows["redo_correct"])
     assert right > 0 and result["rows"]["skill"] == 2 * right
+
+
+def test_replay_teaches_the_base_corpus_improvement_turns_with_check_spans_as_context(tiny_tokenizer):
+    from redumix.embedded.replay import CONTEXT_ONLY, replay_conversations
+    from redumix.embedded.vocab import REFLECT_OPEN
+    from redumix.train.data import SparseTeacherCollator, conversation_examples, end_of_turn_ids
+
+    config = load_config(ROOT / "recipes" / "tiny.yaml", ["train.replay=0.3"])
+    conversations = replay_conversations(config, 300)
+    assert conversations == replay_conversations(config, 300)  # seeded: the same episodes on every rank and rerun
+    kinds = [c[0].rsplit("-", 1)[1] for c in conversations]
+    assert set(kinds) == {"reflection", "critique", "refine", "solution"}
+    assert all(REFLECT_OPEN in m[-1]["content"] for k, (_, m, _) in zip(kinds, conversations, strict=True)
+               if k == "solution")  # plain solutions are the harvest's to teach
+    assert sum(len(trained) for _, _, trained in conversations) >= 300
+
+    reflect = tiny_tokenizer.convert_tokens_to_ids(REFLECT_OPEN)
+    examples = conversation_examples(conversations, tiny_tokenizer, 1024, frozenset([reflect]))
+    assert len(examples) == sum(len(trained) for _, _, trained in conversations)
+    end = end_of_turn_ids(tiny_tokenizer)
+    first_id, messages, trained = conversations[0]
+    first = examples[0]
+    assert first["id"] == f"{first_id}/turn-{trained[0]}"
+    target = first["input_ids"][first["prompt_length"]:]
+    assert tiny_tokenizer.decode(target[: -len(end)]) == messages[trained[0]]["content"] and target[-len(end):] == end
+    spans = [e for e in examples if reflect in e["input_ids"][e["prompt_length"]:]]
+    assert spans and CONTEXT_ONLY == (REFLECT_OPEN,)
+    for e in spans:  # the span opener is context; every other target token is its own one-hot teacher
+        for token, step in zip(e["input_ids"][e["prompt_length"]:], e["teacher_ids"], strict=True):
+            assert step == ([] if token == reflect else [token])
+    batch = SparseTeacherCollator(tiny_tokenizer.pad_token_id)([spans[0], examples[0]])
+    assert reflect not in batch["labels"]
+    assert int((batch["labels"][:, 1:] != -100).sum()) == int(batch["teacher_mask"].sum())
+
+    with pytest.raises(ConfigError, match="replay"):
+        load_config(ROOT / "recipes" / "tiny.yaml", ["train.replay=1.0"])
+    gsm8k = load_config(ROOT / "recipes" / "tiny.yaml", ["train.replay=0.3", "task.name=gsm8k"])
+    with pytest.raises(ValueError, match="task.name is 'gsm8k'; set train.replay=0"):
+        replay_conversations(gsm8k, 10)
+
+
+def test_training_with_replay_adds_the_share_of_corpus_examples(tmp_path):
+    from redumix.pipeline.train import run_train
+    from tests.train_fixtures import write_base, write_harvest
+
+    run = RunDir(tmp_path / "run")
+    write_base(run.base)
+    write_harvest(run.harvest, n_rows=24, length=12)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: r\n")
+    settings = [f"model.path={run.base}", "train.batch_size=4", "train.max_steps=2", "train.heldout_fraction=0.2",
+                "train.replay=0.25"]
+    rows = run_train(load_config(recipe, settings), run)["rows"]
+    assert rows["replay"] >= round(rows["train"] / 3)  # a quarter of the whole: a third of the harvest's examples

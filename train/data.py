@@ -134,9 +134,11 @@ def conversation_examples(
     conversations: list[tuple[str, list[Message], tuple[int, ...]]],
     tokenizer: PreTrainedTokenizerBase,
     max_length: int,
+    context_only: frozenset[int] = frozenset(),
 ) -> Dataset:
     """(id, messages, trained turn indices) -> one hard-label example per trained assistant turn, its prompt being
-    the conversation before that turn (`train.replay`'s episodes)."""
+    the conversation before that turn (`train.replay`'s episodes). Target tokens in `context_only` get no teacher
+    (an empty top-k): the collator leaves them out of the loss, as the embedded base's pretraining did."""
     end_of_turn = end_of_turn_ids(tokenizer)
     out: dict[str, list] = {key: [] for key in EXAMPLE_COLUMNS}
     for conversation_id, messages, trained in conversations:
@@ -146,6 +148,10 @@ def conversation_examples(
                                  "turn; only assistant turns can be trained")
             example = hard_example(prompt_ids(tokenizer, messages[:turn]), messages[turn]["content"], end_of_turn,
                                    tokenizer, max_length)
+            if context_only:
+                kept = [step[0] not in context_only for step in example["teacher_ids"]]
+                for key in ("teacher_ids", "teacher_logprobs"):
+                    example[key] = [step if keep else [] for step, keep in zip(example[key], kept, strict=True)]
             for key, value in example.items():
                 out[key].append(value)
             out["id"].append(f"{conversation_id}/turn-{turn}")
@@ -175,9 +181,10 @@ def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 @dataclass
 class SparseTeacherCollator:
     """Pads a batch on the right. labels are the unshifted HF kind (-100 on prompt and padding); the teacher tensors
-    are (B, T, k) over each row's T target tokens, with teacher_mask (B, T) marking real ones. A top-k shorter than
-    the batch's k is padded with -inf log-probs, which the loss reads as "no such bucket". With the stored tail,
-    teacher_tail (B, T) holds each target token's log tail mass.
+    are (B, T, k) over each row's T target tokens, with teacher_mask (B, T) marking real ones. A target step with an
+    empty top-k is context only: its label is -100 and its mask False, so the loss and the token count skip it.
+    A top-k shorter than the batch's k is padded with -inf log-probs, which the loss reads as "no such bucket".
+    With the stored tail, teacher_tail (B, T) holds each target token's log tail mass.
     """
 
     pad_token_id: int
@@ -202,6 +209,10 @@ class SparseTeacherCollator:
             attention_mask[b, :n] = 1
             labels[b, p:n] = ids[p:]
             teacher_mask[b, : n - p] = True
+            untrained = [t for t, step in enumerate(f["teacher_ids"]) if not step]  # context, not a target
+            if untrained:
+                labels[b, [p + t for t in untrained]] = -100
+                teacher_mask[b, untrained] = False
             if with_tail:
                 teacher_tail[b, : n - p] = torch.as_tensor(f["teacher_tail"], dtype=torch.float32)
             try:  # the usual case: every step has the same k, one tensor per row
