@@ -3,8 +3,9 @@
 Every arm trains the same number of steps, on the same harvested problems, from the same base, then is measured the
 same way. The arms are the table in pipeline/evidence_arms.py: the mixture arm (the stored p_mix at the recipe's λ,
 verifier feedback: the product's own target), p_mix at λ=0, SFT on the redo, on gold and on the model's own attempts
-(controls), p_mix from harvests with other feedback, and on-policy training. `evidence.main_arms` train with every
-seed of `evidence.seeds`, `evidence.other_arms` with the first.
+(controls), p_mix from harvests with other feedback, on-policy training, and TRL's SDFT (the student's samples, a
+teacher shown x2). `evidence.main_arms` train with every seed of `evidence.seeds`, `evidence.other_arms` with the
+first.
 
 Measured per arm: greedy accuracy on `evidence.n` test problems; greedy accuracy on a task variant no arm trains on
 (numbers up to `evidence.variant_number_max`, larger than the recipe's); KL(tuned ‖ base) per token on the tuned
@@ -90,7 +91,10 @@ def harvest_for(config: Config, run: RunDir, kind: str) -> Path:
 
 
 def arm_config(config: Config, base: Path, harvest: Path, arm: str, seed: int, steps: int) -> Config:
-    train = dataclasses.replace(config.train, harvest_dir=str(harvest), seed=seed, **ARMS[arm].train)
+    # The arms compare targets on the harvest's rows alone: the round policy's extra rows (skill rows, replay) are
+    # what `redumix ablation` measures, and they would blur a comparison of targets.
+    train = dataclasses.replace(config.train, harvest_dir=str(harvest), seed=seed, skill_rows=False, replay=0.0,
+                                **ARMS[arm].train)
     if steps:
         train = dataclasses.replace(train, max_steps=steps)
     return dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(base)), train=train)

@@ -27,9 +27,11 @@ ARMS: dict[str, Arm] = {
     "feedback-self": Arm("self", {}, "p_mix from a harvest whose feedback is the model's own critique"),
     "feedback-none": Arm("none", {}, "p_mix from a harvest with no feedback at all (reflect only)"),
     "feedback-random": Arm("random", {}, "p_mix from a harvest with a coin-flip verdict, wrong half the time"),
-    "on-policy": Arm("verifier", {"policy": "on_policy", "skill_rows": False, "replay": 0.0},
-                     "student samples, the teacher's p_mix computed live (on the harvest's rows alone: skill rows "
-                     "and replay are offline hard labels)"),
+    "on-policy": Arm("verifier", {"policy": "on_policy"}, "student samples, the teacher's p_mix computed live"),
+    "sdft-base": Arm("verifier", {"method": "sdft", "sdft_teacher": "base"},
+                     "TRL's SDFT: student samples, taught by the starting model shown x2 (no p_mix, no λ)"),
+    "sdft-ema": Arm("verifier", {"method": "sdft", "sdft_teacher": "ema"},
+                    "TRL's SDFT: student samples, taught by an EMA of the student shown x2"),
 }
 
 # Harvest kinds: the recipe's own ("verifier", RUN_DIR/harvest), or one redumix setting changed.

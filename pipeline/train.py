@@ -1,7 +1,8 @@
 """`redumix train`: distil the stored mixture p_mix into the base model, which sees only the original prompt.
 
 Reads RUN_DIR/harvest, keeps the rows `train.rows` selects, holds out a hashed few percent of them, and trains with
-the sparse generalized JSD (train/loss.py) through TRL. Writes RUN_DIR/train/:
+the sparse generalized JSD (train/loss.py) through TRL. `train.method=sdft` trains the same rows with TRL's
+SDFTTrainer instead (train/sdft.py): the student's own samples, a teacher shown x2. Writes RUN_DIR/train/:
   checkpoints/checkpoint-N/  HF Trainer checkpoints (weights, optimizer, scheduler, data position, RNG)
   adapter/                   the peft adapter (train.adapter 'lora')
   merged/                    base + adapter merged, with the tokenizer: loads with plain AutoModelForCausalLM
@@ -54,6 +55,7 @@ from redumix.train.data import (
     split_heldout,
 )
 from redumix.train.onpolicy import LiveMixtureTeacher
+from redumix.train.sdft import build_sdft_trainer, sdft_examples
 from redumix.train.trainer import build_trainer, heldout_kl
 
 STAGE = "train"
@@ -84,7 +86,10 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
     held_rows = held_rows.select(range(min(len(held_rows), tc.heldout_max_rows)))
     solutions = gold_solutions(config) if tc.target == "gold" else None
     on_policy = tc.policy == "on_policy"
-    train_examples = build_examples(train_rows, tokenizer, tc.max_length, tc.target, solutions, on_policy)
+    if tc.method == "sdft":  # prompts and x2's turns: TRL samples the student and tokenises both itself
+        train_examples = sdft_examples(train_rows, tokenizer, tc.max_length, tc.onpolicy_max_new_tokens)
+    else:
+        train_examples = build_examples(train_rows, tokenizer, tc.max_length, tc.target, solutions, on_policy)
     # The held-out KL is always against the stored p_mix, whatever the arm learns toward: one yardstick for all.
     held_examples = build_examples(held_rows, tokenizer, tc.max_length)
     counts = {"harvested": len(harvested), "selected": len(rows), "train": len(train_examples),
@@ -100,7 +105,8 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
         replay = conversation_examples(replay_conversations(config, wanted), tokenizer, tc.max_length, context_only)
         train_examples = concatenate_datasets([train_examples, replay.cast(train_examples.features)])
         counts["replay"] = len(replay)
-    print0(f"train: rows {counts} (filter '{tc.rows}', target '{tc.target}', policy '{tc.policy}')")
+    print0(f"train: rows {counts} (filter '{tc.rows}', method '{tc.method}', target '{tc.target}', "
+           f"policy '{tc.policy}')")
     if len(train_examples) == 0:
         if any(train_rows["redo_token_ids"]):  # rows with a redo, but every prompt alone fills train.max_length
             raise ValueError(
@@ -120,11 +126,16 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
     checkpoints = run.train / "checkpoints"
     model = load_weights(model_path, config.model)
     seed = config.seed if tc.seed < 0 else tc.seed
-    teacher = live_teacher(config, model_path, model, tokenizer, seed) if on_policy else None
-    trainer = build_trainer(
-        model, tokenizer, train_examples, tc, str(checkpoints), seed=seed, use_cpu=use_cpu(config),
-        processes=world_size(), callbacks=[MetricsToRunLog(run), *(callbacks or [])], live_teacher=teacher,
-    )
+    callbacks = [MetricsToRunLog(run), *(callbacks or [])]
+    if tc.method == "sdft":
+        trainer = build_sdft_trainer(model, tokenizer, train_examples, tc, str(checkpoints), seed=seed,
+                                     use_cpu=use_cpu(config), processes=world_size(), callbacks=callbacks)
+    else:
+        teacher = live_teacher(config, model_path, model, tokenizer, seed) if on_policy else None
+        trainer = build_trainer(
+            model, tokenizer, train_examples, tc, str(checkpoints), seed=seed, use_cpu=use_cpu(config),
+            processes=world_size(), callbacks=callbacks, live_teacher=teacher,
+        )
     last = last_complete_checkpoint(checkpoints)
     if last:
         print0(f"train: resuming from {last}")
@@ -154,6 +165,7 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
     kl_merged = heldout_kl(load_weights(merged, config.model).to(device), held_examples, tokenizer.pad_token_id)
     result = {
         "rows": counts,
+        "method": tc.method if tc.method == "gkd" else f"sdft-{tc.sdft_teacher}",  # as the evidence arms name it
         "target": tc.target,
         "policy": tc.policy,
         "steps": trainer.state.global_step,

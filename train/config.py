@@ -1,4 +1,4 @@
-"""Config of the train stage (offline sparse-teacher GKD)."""
+"""Config of the train stage: sparse-teacher GKD (offline or on-policy), or TRL's SDFT (train/sdft.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,23 @@ class TrainConfig:
     temperature: float = field(
         default=1.0, metadata={"help": "Distillation temperature applied to student logits and teacher log-probs."}
     )
+    # --- the trainer ---
+    method: Literal["gkd", "sdft"] = field(
+        default="gkd",
+        metadata={"help": "'gkd': our trainer (train/trainer.py), the generalized JSD toward the stored p_mix "
+                  "(or, with policy on_policy, the live one). 'sdft': TRL's SDFTTrainer (train/sdft.py): the "
+                  "student samples y from x alone and learns, on its own samples, the distribution of a teacher "
+                  "shown x2 (the row's attempt, feedback, reflection and the redo instruction); no stored p_mix "
+                  "is read. sdft takes beta, onpolicy_temperature (for sampling and the distilled logits alike) "
+                  "and onpolicy_max_new_tokens; it leaves target, policy, skill_rows and replay at their "
+                  "defaults."},
+    )
+    sdft_teacher: Literal["base", "ema"] = field(
+        default="base",
+        metadata={"help": "sdft: the teacher's weights (TRL's teacher_model_kind). 'base': the starting model, "
+                  "frozen (with LoRA, the adapter disabled). 'ema': an exponential moving average of the student, "
+                  "updated after every step at TRL's rate 0.05."},
+    )
     # --- what the student learns toward ---
     target: Target = field(
         default="mixture",
@@ -36,10 +53,10 @@ class TrainConfig:
         metadata={"help": "on_policy: fraction of steps on student samples (TRL GKD's lmbda); the other steps "
                   "learn the stored redo, which the teacher mixture generated (TRL's seq_kd)."},
     )
-    onpolicy_temperature: float = field(default=1.0, metadata={"help": "on_policy: the student's sampling "
-                                        "temperature."})
-    onpolicy_max_new_tokens: int = field(default=160, metadata={"help": "on_policy: most tokens a student "
-                                         "sample has."})
+    onpolicy_temperature: float = field(default=1.0, metadata={"help": "on_policy and sdft: the student's "
+                                        "sampling temperature."})
+    onpolicy_max_new_tokens: int = field(default=160, metadata={"help": "on_policy and sdft: most tokens a "
+                                         "student sample has."})
     onpolicy_topk: int = field(
         default=32, metadata={"help": "on_policy: top-k ids of the live p_mix kept (+ tail), as the harvest stores."}
     )
@@ -52,7 +69,11 @@ class TrainConfig:
         default=0.05, metadata={"help": "Fraction of rows held out (chosen by hashed id) for the held-out KL metric."}
     )
     heldout_max_rows: int = field(default=200, metadata={"help": "At most this many held-out rows are scored."})
-    max_length: int = field(default=1024, metadata={"help": "Longest student input [x ‖ y]; the redo is cut to fit."})
+    max_length: int = field(
+        default=1024,
+        metadata={"help": "Longest student input [x ‖ y]; the redo is cut to fit. sdft: a row is left out when its "
+                  "teacher input, x2 and a sample of onpolicy_max_new_tokens, could be longer."},
+    )
     # --- what is trained ---
     adapter: Literal["lora", "full"] = field(
         default="lora", metadata={"help": "What is trained: 'lora' (a peft adapter) or 'full' (every weight)."}
@@ -146,6 +167,13 @@ class TrainConfig:
                             f"{self.target!r}")
         if self.policy == "on_policy" and (self.skill_rows or self.replay):
             problems.append("skill_rows and replay are offline hard labels; use them with policy 'offline'")
+        if self.method == "sdft":
+            if self.target != "mixture" or self.policy != "offline" or self.skill_rows or self.replay:
+                problems.append("method 'sdft' learns from its own samples and a teacher shown x2: leave target "
+                                "'mixture', policy 'offline', skill_rows false and replay 0")
+            if self.onpolicy_temperature <= 0 or self.temperature != self.onpolicy_temperature:
+                problems.append("method 'sdft' samples and distils at one temperature (TRL's): set "
+                                "onpolicy_temperature > 0 and temperature equal to it")
         if not 0.0 <= self.replay < 1.0:
             problems.append(f"replay must lie in [0, 1), got {self.replay}")
         if problems:

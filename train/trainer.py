@@ -107,9 +107,10 @@ def lora_config(config: TrainConfig) -> LoraConfig | None:
     )
 
 
-def training_arguments(config: TrainConfig, output_dir: str, seed: int, use_cpu: bool, processes: int) -> SFTConfig:
-    """The TRL/HF arguments of a run. Checkpoints hold weights, optimizer, scheduler, data position and RNG."""
-    return SFTConfig(
+def hf_arguments(config: TrainConfig, output_dir: str, seed: int, use_cpu: bool, processes: int) -> dict[str, Any]:
+    """The HF TrainingArguments every trainer here shares (GKD's SFTConfig, SDFT's SDFTConfig, train/sdft.py).
+    Checkpoints hold weights, optimizer, scheduler, data position and RNG."""
+    return dict(
         output_dir=output_dir,
         seed=seed,
         per_device_train_batch_size=config.batch_size,
@@ -134,11 +135,18 @@ def training_arguments(config: TrainConfig, output_dir: str, seed: int, use_cpu:
         logging_first_step=True,
         report_to="none",
         disable_tqdm=False,
+        dataloader_num_workers=0,
+    )
+
+
+def training_arguments(config: TrainConfig, output_dir: str, seed: int, use_cpu: bool, processes: int) -> SFTConfig:
+    """The TRL/HF arguments of a GKD run."""
+    return SFTConfig(
+        **hf_arguments(config, output_dir, seed, use_cpu, processes),
         # The teacher columns must reach the collator, and the examples are already tokenised.
         remove_unused_columns=False,
         dataset_kwargs={"skip_prepare_dataset": True},
         max_length=None,
-        dataloader_num_workers=0,
     )
 
 
@@ -162,7 +170,7 @@ def build_trainer(
     if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer has no pad token; set one (e.g. pad_token = eos_token) before training")
     if config.deepspeed and use_cpu:
-        _skip_deepspeed_shm_build()
+        skip_deepspeed_shm_build()
     return SparseGKDTrainer(
         model=model,
         args=training_arguments(config, output_dir, seed, use_cpu, processes),
@@ -178,7 +186,7 @@ def build_trainer(
     )
 
 
-def _skip_deepspeed_shm_build() -> None:
+def skip_deepspeed_shm_build() -> None:
     """On CPU, DeepSpeed's comm backend JIT-compiles a C++ shared-memory all-reduce (minutes, and a compiler) at
     init. Training never uses it (that op serves inference all-reduce; ZeRO goes through torch.distributed/gloo), so
     mark it incompatible and DeepSpeed skips the build."""
