@@ -55,7 +55,6 @@ from redumix.train.data import (
     split_heldout,
 )
 from redumix.train.onpolicy import LiveMixtureTeacher
-from redumix.train.sdft import build_sdft_trainer, sdft_examples
 from redumix.train.trainer import build_trainer, heldout_kl
 
 STAGE = "train"
@@ -87,6 +86,9 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
     solutions = gold_solutions(config) if tc.target == "gold" else None
     on_policy = tc.policy == "on_policy"
     if tc.method == "sdft":  # prompts and x2's turns: TRL samples the student and tokenises both itself
+        # Imported here: trl.experimental warns on import, and only this arm uses it.
+        from redumix.train.sdft import build_sdft_trainer, sdft_examples
+
         train_examples = sdft_examples(train_rows, tokenizer, tc.max_length, tc.onpolicy_max_new_tokens)
     else:
         train_examples = build_examples(train_rows, tokenizer, tc.max_length, tc.target, solutions, on_policy)

@@ -33,3 +33,11 @@ def test_the_median_is_of_pair_ratios():
     numerator = iter([4.0, 1.0, 8.0]).__next__
     denominator = iter([1.0, 1.0, 4.0]).__next__
     assert round_robin({"k": Pairs(numerator, denominator, 3, warmed=True)}, rounds=1) == {"k": 2.0}
+
+
+def test_teacher_signal_reads_the_right_result_of_the_line_a_sample_ends_on():
+    from bench.teacher_signal import right_result
+
+    assert right_result("4 + 9 = 13\n13 * 2 = ") == "26"
+    assert right_result("20 - 23 = ") == "-3"
+    assert right_result("4 + 9 = 13\n") is None and right_result("4 + 9 = 1") is None
