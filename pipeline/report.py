@@ -4,7 +4,10 @@ time; Markdown for people, and a plot of accuracy against compute.
 Each decoder's trade-off against greedy is reported twice. Paired: on the examples it shares with greedy on the same
 checkpoint, the accuracy difference with Newcombe's hybrid score interval for paired proportions, the examples it
 fixed and broke, McNemar's exact p-value and its FPE relative to greedy. Unpaired: the Pareto front of accuracy
-against mean FPE per checkpoint, drawn on the plot and listed in the Markdown."""
+against mean FPE per checkpoint, drawn on the plot and listed in the Markdown.
+
+What training bought is the same paired comparison across checkpoints: each decoder on the tuned checkpoint
+against itself on the base one (`tuned_vs_base`), so "did distillation help, by how much" is one row."""
 
 from __future__ import annotations
 
@@ -99,6 +102,33 @@ def paired_with_greedy(records: list[dict], greedy: list[dict]) -> dict[str, Any
         "mcnemar_p": mcnemar_exact_p(fixed, broken),
         "fpe_vs_greedy": sum(p[2] for p in pairs) / greedy_fpe if greedy_fpe else None,
     }
+
+
+def tuned_vs_base(records: dict[str, dict[str, list[dict]]]) -> list[dict[str, Any]]:
+    """For each decoder that both the `base` and the `tuned` checkpoint ran, tuned against base on the examples
+    both scored (matched by record id), in the tuned checkpoint's decoder order.
+
+    The paired math is `paired_with_greedy`'s with base's records in greedy's place: fixed = base wrong and tuned
+    right, broke = the reverse. `change` is tuned − base accuracy on the paired examples (a fraction, like
+    `accuracy`); `base_accuracy` and `tuned_accuracy` are on those same examples. A decoder with nothing to pair is
+    left out, and so is everything when either checkpoint is missing."""
+    base, tuned = records.get("base", {}), records.get("tuned", {})
+    rows = []
+    for decoder in [d for d in tuned if d in base]:
+        paired = paired_with_greedy(tuned[decoder], base[decoder])
+        if not paired:
+            continue
+        shared = {r["id"] for r in base[decoder]} & {r["id"] for r in tuned[decoder]}
+        base_right = sum(r["correct"] for r in base[decoder] if r["id"] in shared)
+        tuned_right = sum(r["correct"] for r in tuned[decoder] if r["id"] in shared)
+        n = paired["paired_n"]
+        rows.append({
+            "decoder": decoder, "n": n, "base_accuracy": base_right / n, "tuned_accuracy": tuned_right / n,
+            "change": paired["vs_greedy"], "low": paired["vs_greedy_low"], "high": paired["vs_greedy_high"],
+            "fixed": paired["vs_greedy_fixed"], "broken": paired["vs_greedy_broken"],
+            "mcnemar_p": paired["mcnemar_p"], "fpe_vs_base": paired["fpe_vs_greedy"],
+        })
+    return rows
 
 
 def newcombe_paired_interval(
@@ -209,6 +239,7 @@ def report_markdown(report: dict) -> str:
         )
     if not report["rows"]:
         lines += ["", "No decoder ran: `eval.decoders` (or the checkpoints) left nothing to evaluate."]
+    lines += _tuned_vs_base_markdown(report.get("tuned_vs_base", []))  # reports written before it have none
     extras = [r for r in report["rows"] if "fixed" in r or "longest_context" in r or "reflections_per_example" in r]
     if extras:
         lines += ["", "| checkpoint | decoder | details |", "|---|---|---|"]
@@ -235,6 +266,27 @@ def report_markdown(report: dict) -> str:
                              f"{q['mean']:+.3f} / {q['p10']:+.3f} / {q['p50']:+.3f} / {q['p90']:+.3f}")
             lines.append(f"| {name} | {d['delta_uncertainty']['count']} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines) + "\n"
+
+
+def _tuned_vs_base_markdown(rows: list[dict]) -> list[str]:
+    """The "tuned vs base (paired)" table: what training bought, decoder by decoder; nothing without both."""
+    if not rows:
+        return []
+    lines = [
+        "", "tuned vs base (paired): each decoder on the tuned checkpoint against the same decoder on the base "
+        "checkpoint, on the examples both scored (matched by id). Δ accuracy in points, tuned − base, with the 95% "
+        "Newcombe hybrid score interval for paired proportions; fixed = base wrong and tuned right, broke = the "
+        "reverse; McNemar's exact p on those discordant pairs.", "",
+        "| decoder | base | tuned | Δ accuracy (pts) | 95% CI (Newcombe) | fixed / broke | n paired | McNemar p |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['decoder']} | {r['base_accuracy']:.1%} | {r['tuned_accuracy']:.1%} | {100 * r['change']:+.1f} | "
+            f"{100 * r['low']:+.1f} to {100 * r['high']:+.1f} | {r['fixed']} / {r['broken']} | {r['n']} | "
+            f"{r['mcnemar_p']:.3g} |"
+        )
+    return lines
 
 
 def _paired_markdown(rows: list[dict]) -> list[str]:

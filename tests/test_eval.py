@@ -96,6 +96,23 @@ def test_eval_on_real_gsm8k_writes_parseable_reports_and_resumes(tmp_path, model
     assert json.loads((tmp_path / "eval" / "report.json").read_text())["rows"] == report["rows"]
 
 
+def test_eval_with_both_checkpoints_reports_tuned_against_base(tmp_path, model_dir):
+    """The same weights as base and as tuned: every pair agrees, so greedy's change is 0 with nothing fixed or
+    broken, and the table sits in report.md."""
+    import shutil
+
+    shutil.copytree(model_dir, tmp_path / "train" / "merged")
+    overrides = [f"model.path={model_dir}", *SMALL, "eval.n=4", "eval.n_other=3", "eval.decoders=[greedy,sample]",
+                 "eval.tuned_decoders=[greedy]"]
+    run_eval(load_config(ROOT / "recipes" / "tiny.yaml", overrides), RunDir(tmp_path))
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert [r["decoder"] for r in report["tuned_vs_base"]] == ["greedy"]  # sample ran on base alone
+    greedy = report["tuned_vs_base"][0]
+    assert (greedy["n"], greedy["change"], greedy["fixed"], greedy["broken"]) == (4, 0, 0, 0)
+    assert greedy["base_accuracy"] == greedy["tuned_accuracy"] and greedy["mcnemar_p"] == 1.0
+    assert "tuned vs base (paired)" in (tmp_path / "eval" / "report.md").read_text()
+
+
 TIMING = ("wall_s", "tokens_per_s")
 
 

@@ -13,6 +13,7 @@ from redumix.pipeline.report import (
     plot_accuracy_vs_fpe,
     report_markdown,
     summarize,
+    tuned_vs_base,
 )
 
 # Cavo et al. (2012), complete response before/after consolidation therapy: the worked example of Fagerland,
@@ -109,6 +110,36 @@ def test_summarize_adds_the_comparison_only_where_it_applies():
     assert "vs_greedy" not in summarize("base", "sample", decoder)
     assert "vs_greedy" not in summarize("base", "sample", decoder, greedy=[])
     assert "vs_greedy" not in summarize("base", "sample", decoder, greedy=[record("elsewhere", True)])
+
+
+# --- tuned against base -------------------------------------------------------------------------------------------
+
+
+def test_tuned_vs_base_pairs_each_decoder_both_checkpoints_ran():
+    greedy, decoder = greedy_and_decoder()
+    records = {"base": {"greedy": greedy[:4], "moi": greedy[:4]},
+               "tuned": {"greedy": decoder, "sample": decoder, "moi": greedy[:4]}}
+    rows = tuned_vs_base(records)
+    assert [r["decoder"] for r in rows] == ["greedy", "moi"]  # sample ran on tuned only
+    first = rows[0]
+    # the 4 shared examples: base right on a, b; tuned right on a, c, d -> fixed c, d; broke b
+    assert (first["n"], first["fixed"], first["broken"]) == (4, 2, 1)
+    assert (first["base_accuracy"], first["tuned_accuracy"]) == (0.5, 0.75)
+    assert first["change"] == pytest.approx(0.25) and first["low"] <= 0.25 <= first["high"]
+    assert first["mcnemar_p"] == pytest.approx(1.0) and first["fpe_vs_base"] == pytest.approx(3.0)
+    assert rows[1]["change"] == 0 and rows[1]["mcnemar_p"] == 1.0
+    assert tuned_vs_base({"base": records["base"]}) == []  # no tuned checkpoint: no table
+    assert tuned_vs_base({"tuned": records["tuned"]}) == []
+
+    report = {**report_with_pairs(), "tuned_vs_base": rows}
+    markdown = report_markdown(report)
+    assert "tuned vs base (paired)" in markdown
+    lines = markdown.splitlines()
+    line = next(x for x in lines if x.startswith("| greedy | 50.0% | 75.0% | +25.0 |"))
+    assert "| 2 / 1 | 4 | 1 |" in line
+    # right after the main table: before the details and the vs-greedy tables
+    assert lines.index(line) < next(i for i, x in enumerate(lines) if x.startswith("vs greedy (paired)"))
+    assert "tuned vs base" not in report_markdown(report_with_pairs())
 
 
 # --- the Pareto front ---------------------------------------------------------------------------------------------
