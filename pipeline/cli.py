@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import json
 import signal
 import sys
 from dataclasses import dataclass
@@ -90,6 +91,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
         parser.add_argument("stage", choices=STAGES, metavar="STAGE", help="one of the stages listed below")
     parser.add_argument("--run-dir", default=None, help="run folder (default: runs/<recipe name>)")
+    if argv and argv[0] == "eval":
+        parser.add_argument("--model", default=None, metavar="DIR",
+                            help="evaluate this Hugging Face folder as it is, under its folder's name, with no "
+                            "harvest or train: model.path=DIR eval.checkpoints=[base] eval.base_label=NAME "
+                            "(default run folder: runs/NAME)")
     _run_options(parser)
     args = parser.parse_intermixed_args(argv[1:] if argv and argv[0] in STAGES else argv)
     args.stage = args.stage if "stage" in args else argv[0]  # overrides may follow --recipe, as the Makefile passes
@@ -98,8 +104,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def resolve(argv: list[str] | None = None) -> tuple[str, Config, RunDir]:
     args = parse_args(argv)
-    config = load_config(args.recipe, args.overrides)
-    run = RunDir(Path(args.run_dir) if args.run_dir else Path("runs") / config.name)
+    overrides, default_dir = args.overrides, None
+    if getattr(args, "model", None):  # `redumix eval --model DIR`: three overrides, which the user's may still change
+        name = Path(args.model).resolve().name
+        # Quoted (JSON is YAML) so that a folder called `1.5` or `[x]` stays a string.
+        overrides = [f"model.path={json.dumps(args.model)}", "eval.checkpoints=[base]",
+                     f"eval.base_label={json.dumps(name)}", *overrides]
+        default_dir = Path("runs") / name  # not the recipe's run folder, whose eval report it would replace
+    config = load_config(args.recipe, overrides)
+    run = RunDir(Path(args.run_dir) if args.run_dir else default_dir or Path("runs") / config.name)
     return args.stage, config, run
 
 

@@ -98,8 +98,8 @@ def run_eval(
               # which harvest and train output the tuned model came from, and each checkpoint's weights
               "inputs": {"harvest": harvest_id(run.harvest), "train": file_id(run.train / "metrics.json"),
                          "models": {k: model_id(v) for k, v in checkpoints.items()}},
-              "rows": rows, "tuned_vs_base": tuned_vs_base(every_record), "diagnostics": diagnostics,
-              "peak_rss_mb": peak_rss_mb()}
+              "rows": rows, "tuned_vs_base": tuned_vs_base(every_record, base=config.eval.base_label),
+              "diagnostics": diagnostics, "peak_rss_mb": peak_rss_mb()}
     atomic_write_text(out / "report.md", report_markdown(report))
     plot_accuracy_vs_fpe(rows, out / "accuracy_vs_fpe.png")
     atomic_write_json(report_path, report)  # last: its presence means the stage is complete
@@ -115,7 +115,7 @@ def available_checkpoints(config: Config, run: RunDir) -> dict[str, Path]:
         if name == "tuned" and not (path / "config.json").is_file():
             print0(f"eval: no tuned checkpoint at {path} (run `redumix train` first); evaluating the others")
             continue
-        found[name] = path
+        found[config.eval.base_label if name == "base" else name] = path
     return found
 
 

@@ -104,26 +104,29 @@ def paired_with_greedy(records: list[dict], greedy: list[dict]) -> dict[str, Any
     }
 
 
-def tuned_vs_base(records: dict[str, dict[str, list[dict]]]) -> list[dict[str, Any]]:
+def tuned_vs_base(
+    records: dict[str, dict[str, list[dict]]], base: str = "base", tuned: str = "tuned"
+) -> list[dict[str, Any]]:
     """For each decoder that both the `base` and the `tuned` checkpoint ran, tuned against base on the examples
-    both scored (matched by record id), in the tuned checkpoint's decoder order.
+    both scored (matched by record id), in the tuned checkpoint's decoder order. `records` maps a checkpoint's
+    label to its decoders' records; `base` is the label of model.path's checkpoint (`eval.base_label`).
 
     The paired math is `paired_with_greedy`'s with base's records in greedy's place: fixed = base wrong and tuned
     right, broke = the reverse. `change` is tuned − base accuracy on the paired examples (a fraction, like
     `accuracy`); `base_accuracy` and `tuned_accuracy` are on those same examples. A decoder with nothing to pair is
     left out, and so is everything when either checkpoint is missing."""
-    base, tuned = records.get("base", {}), records.get("tuned", {})
+    before, after = records.get(base, {}), records.get(tuned, {})
     rows = []
-    for decoder in [d for d in tuned if d in base]:
-        paired = paired_with_greedy(tuned[decoder], base[decoder])
+    for decoder in [d for d in after if d in before]:
+        paired = paired_with_greedy(after[decoder], before[decoder])
         if not paired:
             continue
-        shared = {r["id"] for r in base[decoder]} & {r["id"] for r in tuned[decoder]}
-        base_right = sum(r["correct"] for r in base[decoder] if r["id"] in shared)
-        tuned_right = sum(r["correct"] for r in tuned[decoder] if r["id"] in shared)
+        shared = {r["id"] for r in before[decoder]} & {r["id"] for r in after[decoder]}
         n = paired["paired_n"]
         rows.append({
-            "decoder": decoder, "n": n, "base_accuracy": base_right / n, "tuned_accuracy": tuned_right / n,
+            "decoder": decoder, "n": n,
+            "base_accuracy": sum(r["correct"] for r in before[decoder] if r["id"] in shared) / n,
+            "tuned_accuracy": sum(r["correct"] for r in after[decoder] if r["id"] in shared) / n,
             "change": paired["vs_greedy"], "low": paired["vs_greedy_low"], "high": paired["vs_greedy_high"],
             "fixed": paired["vs_greedy_fixed"], "broken": paired["vs_greedy_broken"],
             "mcnemar_p": paired["mcnemar_p"], "fpe_vs_base": paired["fpe_vs_greedy"],

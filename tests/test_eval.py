@@ -113,6 +113,31 @@ def test_eval_with_both_checkpoints_reports_tuned_against_base(tmp_path, model_d
     assert "tuned vs base (paired)" in (tmp_path / "eval" / "report.md").read_text()
 
 
+def test_eval_model_evaluates_a_bare_folder_under_its_own_name(tmp_path, model_dir, monkeypatch, capsys):
+    """`redumix eval --model DIR`: no harvest, train or embedded base; the report and the records carry the
+    folder's name, and the run folder defaults to runs/NAME, not the recipe's."""
+    import shutil
+
+    from redumix.pipeline.cli import main
+
+    mine = tmp_path / "models" / "my-model"
+    shutil.copytree(model_dir, mine)
+    monkeypatch.chdir(tmp_path)
+    code = main(["eval", "--model", str(mine), "--recipe", "tiny", *SMALL, "eval.n=3", "eval.decoders=[greedy]"])
+    assert code == 0, capsys.readouterr().err
+    run_dir = tmp_path / "runs" / "my-model"
+    report = json.loads((run_dir / "eval" / "report.json").read_text())
+    assert [(r["checkpoint"], r["decoder"], r["n"]) for r in report["rows"]] == [("my-model", "greedy", 3)]
+    assert report["checkpoints"] == {"my-model": str(mine)} and report["tuned_vs_base"] == []
+    assert (run_dir / "eval" / "generations" / "my-model--greedy.jsonl").is_file()
+    assert "| my-model | greedy |" in (run_dir / "eval" / "report.md").read_text()
+    assert sorted(p.name for p in run_dir.iterdir() if not p.name.startswith(".")) == ["config.yaml", "eval", "logs"]
+    assert not (tmp_path / "runs" / "tiny").exists()
+    # the label must not pass for the tuned model, nor name another folder
+    assert main(["eval", "--recipe", "tiny", "eval.base_label=tuned"]) == 2
+    assert "base_label must be a file name" in capsys.readouterr().err
+
+
 TIMING = ("wall_s", "tokens_per_s")
 
 
