@@ -39,7 +39,7 @@ STAGES: dict[str, Stage] = {
     "harvest": Stage("redumix.pipeline.harvest", "run_harvest", "redos under p_mix, into Arrow shards", ranked=True),
     "train": Stage("redumix.pipeline.train", "run_train", "distil the stored p_mix into the model", ranked=True),
     "eval": Stage("redumix.pipeline.eval", "run_eval", "every decoder on the base and tuned checkpoints", ranked=True),
-    "export": Stage("redumix.pipeline.export", "run_export", "DPO pairs from the harvest's shards"),
+    "export": Stage("redumix.pipeline.export", "run_export", "DPO pairs and an SFT set (JSONL, Parquet, datasets)"),
     "calibrate": Stage("redumix.pipeline.calibrate", "run_calibrate", "pick the reflective gate and stop rule"),
     "rounds": Stage("redumix.pipeline.rounds", "run_rounds", "harvest, train, eval, round after round", ranked=True),
     "ablation": Stage("redumix.pipeline.ablation", "run_ablation", "which ingredient of the round policy gains"),
