@@ -7,6 +7,7 @@ import pytest
 
 from redumix.pipeline.report import (
     mcnemar_exact_p,
+    n_caption,
     newcombe_paired_interval,
     paired_with_greedy,
     pareto_front,
@@ -210,3 +211,37 @@ def test_plot_marks_the_front_and_is_written(tmp_path):
     path = tmp_path / "eval" / "accuracy_vs_fpe.png"
     plot_accuracy_vs_fpe(rows, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_labels_never_overlap_each_other_or_a_point():
+    """The crowd the issue names: redumix-oracle@0 / redumix-oracle / redumix-self at one cost, greedy and moi at one
+    point, and base and tuned reflective side by side; every label finds a free place."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from redumix.pipeline.report import _label_points, _overlap, _plot_checkpoint
+
+    rows = [row("base", "greedy", 0.43, 41), row("base", "moi", 0.43, 41), row("base", "redumix-oracle", 0.86, 180),
+            row("base", "redumix-oracle@0", 0.85, 178), row("base", "redumix-self", 0.84, 182),
+            row("base", "reflective", 0.55, 105), row("tuned", "reflective", 0.55, 100),
+            row("tuned", "greedy", 0.63, 41), row("tuned", "moi", 0.63, 41.5)]
+    fig, ax = plt.subplots(figsize=(10, 6), dpi=120)
+    colors = {"base": "C0", "tuned": "C1"}
+    for checkpoint, color in colors.items():
+        _plot_checkpoint(ax, [r for r in rows if r["checkpoint"] == checkpoint], checkpoint, color, "o")
+    ax.set_xscale("log")
+    fig.tight_layout()
+    boxes = _label_points(fig, ax, rows, colors)
+    texts = [t.get_text() for t in ax.texts]
+    plt.close(fig)
+    assert sorted(texts) == sorted(r["decoder"] for r in rows)  # one label a point, the tried places removed
+    for i, a in enumerate(boxes):
+        assert all(_overlap(a, b) == 0 for b in boxes[i + 1 :]), rows[i]["decoder"]
+
+
+def test_the_caption_gives_n():
+    rows = [{**row("base", "greedy", 0.4, 41), "n": 1000}, row("base", "moi", 0.4, 41), row("base", "sr", 0.4, 41)]
+    assert n_caption(rows) == "n = 1000 for greedy; 100 for each other decoder (examples per checkpoint)"
+    assert n_caption(rows[1:]) == "n = 100 examples per decoder and checkpoint"
