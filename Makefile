@@ -44,7 +44,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch is pinned to the CPU wheel on this machine's disk; installing it first keeps pip from pulling a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev]"
+	# tensorboard too, so that the test of train.report_to=tensorboard runs wherever `make test` does.
+	$(BIN)/pip install -q -e ".[dev,tensorboard]"
 	touch $@
 
 $(STAGES): install

@@ -1,9 +1,10 @@
-"""`redumix STAGE [--recipe R] [--run-dir DIR] [key.sub=value ...]`, `redumix config`, `redumix decoders`
+"""`redumix STAGE [--recipe R] [--run-dir DIR] [-v] [key.sub=value ...]`, `redumix config`, `redumix decoders`
 
 The stages are the `STAGES` table below; `redumix --help` lists them and `redumix STAGE --help` lists the config keys
 that stage reads, with defaults and help. A recipe is a YAML path or a bundled recipe's name (`--recipe tiny`).
 A new stage is a module with a `run_<stage>(config, run)` function and one line in the table (the Makefile reads it).
-`config` and `decoders` are not stages: they print and touch no run folder.
+`config` and `decoders` are not stages: they print and touch no run folder. A stage silences the libraries' own
+progress bars and warnings; `-v` lets them through.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import json
 import signal
 import sys
 from dataclasses import dataclass
@@ -38,7 +40,7 @@ STAGES: dict[str, Stage] = {
     "harvest": Stage("redumix.pipeline.harvest", "run_harvest", "redos under p_mix, into Arrow shards", ranked=True),
     "train": Stage("redumix.pipeline.train", "run_train", "distil the stored p_mix into the model", ranked=True),
     "eval": Stage("redumix.pipeline.eval", "run_eval", "every decoder on the base and tuned checkpoints", ranked=True),
-    "export": Stage("redumix.pipeline.export", "run_export", "DPO pairs from the harvest's shards"),
+    "export": Stage("redumix.pipeline.export", "run_export", "DPO pairs and an SFT set (JSONL, Parquet, datasets)"),
     "calibrate": Stage("redumix.pipeline.calibrate", "run_calibrate", "pick the reflective gate and stop rule"),
     "rounds": Stage("redumix.pipeline.rounds", "run_rounds", "harvest, train, eval, round after round", ranked=True),
     "ablation": Stage("redumix.pipeline.ablation", "run_ablation", "which ingredient of the round policy gains"),
@@ -90,6 +92,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
         parser.add_argument("stage", choices=STAGES, metavar="STAGE", help="one of the stages listed below")
     parser.add_argument("--run-dir", default=None, help="run folder (default: runs/<recipe name>)")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="let the libraries speak: model-loading and dataset progress bars, their warnings")
+    if argv and argv[0] == "eval":
+        parser.add_argument("--model", default=None, metavar="DIR",
+                            help="evaluate this Hugging Face folder as it is, under its folder's name, with no "
+                            "harvest or train: model.path=DIR eval.checkpoints=[base] eval.base_label=NAME "
+                            "(default run folder: runs/NAME)")
     _run_options(parser)
     args = parser.parse_intermixed_args(argv[1:] if argv and argv[0] in STAGES else argv)
     args.stage = args.stage if "stage" in args else argv[0]  # overrides may follow --recipe, as the Makefile passes
@@ -98,9 +107,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def resolve(argv: list[str] | None = None) -> tuple[str, Config, RunDir]:
     args = parse_args(argv)
-    config = load_config(args.recipe, args.overrides)
-    run = RunDir(Path(args.run_dir) if args.run_dir else Path("runs") / config.name)
+    if not args.verbose:
+        quiet_libraries()
+    overrides, default_dir = args.overrides, None
+    if getattr(args, "model", None):  # `redumix eval --model DIR`: three overrides, which the user's may still change
+        name = Path(args.model).resolve().name
+        # Quoted (JSON is YAML) so that a folder called `1.5` or `[x]` stays a string.
+        overrides = [f"model.path={json.dumps(args.model)}", "eval.checkpoints=[base]",
+                     f"eval.base_label={json.dumps(name)}", *overrides]
+        default_dir = Path("runs") / name  # not the recipe's run folder, whose eval report it would replace
+    config = load_config(args.recipe, overrides)
+    run = RunDir(Path(args.run_dir) if args.run_dir else default_dir or Path("runs") / config.name)
     return args.stage, config, run
+
+
+# --- quiet libraries -----------------------------------------------------------------------------------------------
+
+# What a stage prints by default is its own: its tqdm bars, the Trainer's step bar and loss, its summaries. The
+# libraries' chatter (transformers' "Loading weights" and "Writing model shards" bars, datasets' Map / Filter bars,
+# deprecation and advisory warnings, DeepSpeed's accelerator notice) hides that, so it is off unless `-v`.
+LIBRARY_LOGGERS = ("transformers", "datasets", "trl", "peft", "accelerate", "torch", "DeepSpeed")
+LIBRARY_MODULES = r"(transformers|datasets|trl|peft|accelerate|deepspeed|torch)(\.|$)"
+QUIET_ENVIRONMENT = {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                     "DATASETS_VERBOSITY": "error", "TRANSFORMERS_VERBOSITY": "error", "TRL_EXPERIMENTAL_SILENCE": "1"}
+
+
+def quiet_libraries() -> None:
+    """Errors still show. Environment variables reach the libraries not imported yet and torchrun's ranks."""
+    import logging
+    import os
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    for name, value in QUIET_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    hf_logging.set_verbosity_error()  # transformers is imported already (the config's decoders import it)
+    hf_logging.disable_progress_bar()
+    for name in LIBRARY_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.ERROR)
+        # DeepSpeed sets its logger's level itself when it is imported; a filter outlasts that.
+        logger.addFilter(lambda record: record.levelno >= logging.ERROR)
+    warnings.filterwarnings("ignore", module=LIBRARY_MODULES)
 
 
 # --- the commands that are not stages: they print, and touch no run folder ----------------------------------------

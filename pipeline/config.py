@@ -72,10 +72,18 @@ class EvalConfig:
         default_factory=lambda: ["base", "tuned"],
         metadata={"help": "base = model.path; tuned = RUN_DIR/train/merged (skipped with a note if missing)."},
     )
+    base_label: str = field(
+        default="base",
+        metadata={"help": "The report's name for the model.path checkpoint (`redumix eval --model DIR` sets it to the "
+                  "folder's name)."},
+    )
     sample_temperature: float = field(default=0.7, metadata={"help": "Temperature of the `sample` decoder."})
 
     def __post_init__(self) -> None:
         problems = [f"{name} must be >= 1" for name in ("n", "n_other", "batch_size") if getattr(self, name) < 1]
+        # It names the records' files (eval/generations/LABEL--DECODER.jsonl) and must not pass for the tuned model.
+        if not self.base_label or "/" in self.base_label or self.base_label in (".", "..", "tuned"):
+            problems.append(f"base_label must be a file name other than 'tuned', not {self.base_label!r}")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -8,6 +8,9 @@ and its matched ablations, which follow the gated `reflective` run).
 A decoder or a task defined elsewhere (a test, a notebook) goes in through `run_eval(config, run, task=...,
 decoders={**DECODERS, "name": DecoderEntry(...)})`, with no edit here.
 
+With both checkpoints, `tuned_vs_base` in report.json (a table in report.md) pairs each decoder on the tuned model
+with itself on the base one: what training bought, with its interval.
+
 Resume: each (checkpoint, decoder) keeps its per-example records in `eval/generations/` (pipeline/records.py),
 rewritten atomically after every batch. A rerun skips the examples already scored. `report.json` is written last.
 """
@@ -29,7 +32,13 @@ from redumix.pipeline.decoders import DECODERS, DecoderEntry, check_decoder_name
 from redumix.pipeline.lineage import file_id, harvest_id, model_id
 from redumix.pipeline.preflight import check_inputs
 from redumix.pipeline.records import make_record, model_identity, read_records, records_path, score_resumable
-from redumix.pipeline.report import plot_accuracy_vs_fpe, reflection_diagnostics, report_markdown, summarize
+from redumix.pipeline.report import (
+    plot_accuracy_vs_fpe,
+    reflection_diagnostics,
+    report_markdown,
+    summarize,
+    tuned_vs_base,
+)
 from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.run import (
     RunDir,
@@ -71,11 +80,12 @@ def run_eval(
     out.mkdir(parents=True, exist_ok=True)
     if rank() == 0:
         atomic_write_text(out / "config.yaml", config_to_yaml(config))
-    rows, diagnostics = [], {}
+    rows, diagnostics, every_record = [], {}, {}
     for checkpoint, path in checkpoints.items():
         records = evaluate_checkpoint(config, run, task, decoders, checkpoint, path)
         if rank() != 0:
             continue  # rank 0 writes the report
+        every_record[checkpoint] = records
         for decoder, recs in records.items():
             rows.append(summarize(checkpoint, decoder, recs, greedy=records.get("greedy")))
             found = reflection_diagnostics(recs)
@@ -88,7 +98,8 @@ def run_eval(
               # which harvest and train output the tuned model came from, and each checkpoint's weights
               "inputs": {"harvest": harvest_id(run.harvest), "train": file_id(run.train / "metrics.json"),
                          "models": {k: model_id(v) for k, v in checkpoints.items()}},
-              "rows": rows, "diagnostics": diagnostics, "peak_rss_mb": peak_rss_mb()}
+              "rows": rows, "tuned_vs_base": tuned_vs_base(every_record, base=config.eval.base_label),
+              "diagnostics": diagnostics, "peak_rss_mb": peak_rss_mb()}
     atomic_write_text(out / "report.md", report_markdown(report))
     plot_accuracy_vs_fpe(rows, out / "accuracy_vs_fpe.png")
     atomic_write_json(report_path, report)  # last: its presence means the stage is complete
@@ -104,7 +115,7 @@ def available_checkpoints(config: Config, run: RunDir) -> dict[str, Path]:
         if name == "tuned" and not (path / "config.json").is_file():
             print0(f"eval: no tuned checkpoint at {path} (run `redumix train` first); evaluating the others")
             continue
-        found[name] = path
+        found[config.eval.base_label if name == "base" else name] = path
     return found
 
 

@@ -4,7 +4,10 @@ time; Markdown for people, and a plot of accuracy against compute.
 Each decoder's trade-off against greedy is reported twice. Paired: on the examples it shares with greedy on the same
 checkpoint, the accuracy difference with Newcombe's hybrid score interval for paired proportions, the examples it
 fixed and broke, McNemar's exact p-value and its FPE relative to greedy. Unpaired: the Pareto front of accuracy
-against mean FPE per checkpoint, drawn on the plot and listed in the Markdown."""
+against mean FPE per checkpoint, drawn on the plot and listed in the Markdown.
+
+What training bought is the same paired comparison across checkpoints: each decoder on the tuned checkpoint
+against itself on the base one (`tuned_vs_base`), so "did distillation help, by how much" is one row."""
 
 from __future__ import annotations
 
@@ -99,6 +102,36 @@ def paired_with_greedy(records: list[dict], greedy: list[dict]) -> dict[str, Any
         "mcnemar_p": mcnemar_exact_p(fixed, broken),
         "fpe_vs_greedy": sum(p[2] for p in pairs) / greedy_fpe if greedy_fpe else None,
     }
+
+
+def tuned_vs_base(
+    records: dict[str, dict[str, list[dict]]], base: str = "base", tuned: str = "tuned"
+) -> list[dict[str, Any]]:
+    """For each decoder that both the `base` and the `tuned` checkpoint ran, tuned against base on the examples
+    both scored (matched by record id), in the tuned checkpoint's decoder order. `records` maps a checkpoint's
+    label to its decoders' records; `base` is the label of model.path's checkpoint (`eval.base_label`).
+
+    The paired math is `paired_with_greedy`'s with base's records in greedy's place: fixed = base wrong and tuned
+    right, broke = the reverse. `change` is tuned − base accuracy on the paired examples (a fraction, like
+    `accuracy`); `base_accuracy` and `tuned_accuracy` are on those same examples. A decoder with nothing to pair is
+    left out, and so is everything when either checkpoint is missing."""
+    before, after = records.get(base, {}), records.get(tuned, {})
+    rows = []
+    for decoder in [d for d in after if d in before]:
+        paired = paired_with_greedy(after[decoder], before[decoder])
+        if not paired:
+            continue
+        shared = {r["id"] for r in before[decoder]} & {r["id"] for r in after[decoder]}
+        n = paired["paired_n"]
+        rows.append({
+            "decoder": decoder, "n": n,
+            "base_accuracy": sum(r["correct"] for r in before[decoder] if r["id"] in shared) / n,
+            "tuned_accuracy": sum(r["correct"] for r in after[decoder] if r["id"] in shared) / n,
+            "change": paired["vs_greedy"], "low": paired["vs_greedy_low"], "high": paired["vs_greedy_high"],
+            "fixed": paired["vs_greedy_fixed"], "broken": paired["vs_greedy_broken"],
+            "mcnemar_p": paired["mcnemar_p"], "fpe_vs_base": paired["fpe_vs_greedy"],
+        })
+    return rows
 
 
 def newcombe_paired_interval(
@@ -209,6 +242,7 @@ def report_markdown(report: dict) -> str:
         )
     if not report["rows"]:
         lines += ["", "No decoder ran: `eval.decoders` (or the checkpoints) left nothing to evaluate."]
+    lines += _tuned_vs_base_markdown(report.get("tuned_vs_base", []))  # reports written before it have none
     extras = [r for r in report["rows"] if "fixed" in r or "longest_context" in r or "reflections_per_example" in r]
     if extras:
         lines += ["", "| checkpoint | decoder | details |", "|---|---|---|"]
@@ -235,6 +269,27 @@ def report_markdown(report: dict) -> str:
                              f"{q['mean']:+.3f} / {q['p10']:+.3f} / {q['p50']:+.3f} / {q['p90']:+.3f}")
             lines.append(f"| {name} | {d['delta_uncertainty']['count']} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines) + "\n"
+
+
+def _tuned_vs_base_markdown(rows: list[dict]) -> list[str]:
+    """The "tuned vs base (paired)" table: what training bought, decoder by decoder; nothing without both."""
+    if not rows:
+        return []
+    lines = [
+        "", "tuned vs base (paired): each decoder on the tuned checkpoint against the same decoder on the base "
+        "checkpoint, on the examples both scored (matched by id). Δ accuracy in points, tuned − base, with the 95% "
+        "Newcombe hybrid score interval for paired proportions; fixed = base wrong and tuned right, broke = the "
+        "reverse; McNemar's exact p on those discordant pairs.", "",
+        "| decoder | base | tuned | Δ accuracy (pts) | 95% CI (Newcombe) | fixed / broke | n paired | McNemar p |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['decoder']} | {r['base_accuracy']:.1%} | {r['tuned_accuracy']:.1%} | {100 * r['change']:+.1f} | "
+            f"{100 * r['low']:+.1f} to {100 * r['high']:+.1f} | {r['fixed']} / {r['broken']} | {r['n']} | "
+            f"{r['mcnemar_p']:.3g} |"
+        )
+    return lines
 
 
 def _paired_markdown(rows: list[dict]) -> list[str]:
@@ -277,7 +332,9 @@ def _pareto_markdown(rows: list[dict]) -> list[str]:
 
 def plot_accuracy_vs_fpe(rows: list[dict], path: Path) -> None:
     """Accuracy (with its Wilson interval) against mean FPE, one colour per checkpoint; the decoders on the
-    checkpoint's Pareto front are filled and joined by a step line, the dominated ones hollow."""
+    checkpoint's Pareto front are filled and joined by a step line, the dominated ones hollow. Each point is
+    labelled with its decoder in its checkpoint's colour, placed where it covers no other label or point (with a
+    leader line when it had to move away); the caption gives n."""
     import io
 
     import matplotlib
@@ -285,25 +342,45 @@ def plot_accuracy_vs_fpe(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    fig, ax = plt.subplots(figsize=(10, 6), dpi=120)
     rows = [r for r in rows if r["accuracy"] is not None]
     if not rows:
         ax.text(0.5, 0.5, "no decoder scored an example", ha="center", va="center", transform=ax.transAxes)
+    colors = {}
     for i, checkpoint in enumerate(dict.fromkeys(r["checkpoint"] for r in rows)):
+        colors[checkpoint] = f"C{i}"
         points = [r for r in rows if r["checkpoint"] == checkpoint]
-        _plot_checkpoint(ax, points, checkpoint, color=f"C{i}", marker="osD^v"[i % 5])
+        _plot_checkpoint(ax, points, checkpoint, color=colors[checkpoint], marker="osD^v"[i % 5])
     ax.set_xscale("log")
-    ax.set_xlabel("mean forward-pass equivalents per example (log scale)")
-    ax.set_ylabel("accuracy (%), 95% Wilson interval")
-    ax.set_title("Accuracy against compute; filled and joined: the Pareto front")
+    ax.set_xlabel("mean forward-pass equivalents (FPE) per example, log scale")
+    ax.set_ylabel("accuracy (%), with its 95% Wilson interval")
+    ax.set_title("Accuracy against compute per decoder\nfilled and joined: each checkpoint's Pareto front; hollow: "
+                 "dominated", fontsize=11)
     ax.grid(alpha=0.3)
     if rows:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        fig.text(0.01, 0.01, n_caption(rows), fontsize=8, ha="left", va="bottom")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    _label_points(fig, ax, rows, colors)
     buffer = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buffer, format="png", dpi=120)
+    fig.savefig(buffer, format="png")
     plt.close(fig)
     atomic_write_bytes(path, buffer.getvalue())
+
+
+def n_caption(rows: list[dict]) -> str:
+    """"n = 1000 examples for greedy, 500 for each other decoder": the examples behind each point, grouped by
+    count, the commonest count last as "each other decoder"."""
+    by_n: dict[int, list[str]] = {}
+    for r in rows:
+        by_n.setdefault(r["n"], [])
+        if r["decoder"] not in by_n[r["n"]]:
+            by_n[r["n"]].append(r["decoder"])
+    if len(by_n) == 1:
+        return f"n = {next(iter(by_n))} examples per decoder and checkpoint"
+    commonest = max(by_n, key=lambda n: len(by_n[n]))
+    parts = [f"{n} for {', '.join(names)}" for n, names in by_n.items() if n != commonest]
+    return f"n = {'; '.join(parts)}; {commonest} for each other decoder (examples per checkpoint)"
 
 
 def _plot_checkpoint(ax: Any, points: list[dict], checkpoint: str, color: str, marker: str) -> None:
@@ -321,5 +398,65 @@ def _plot_checkpoint(ax: Any, points: list[dict], checkpoint: str, color: str, m
         if group:
             ax.scatter([r["mean_fpe"] for r in group], [100 * r["accuracy"] for r in group], marker=marker,
                        facecolors=face, edgecolors=color, zorder=3, label=label)
-    for r, x, y in zip(points, xs, ys, strict=True):
-        ax.annotate(r["decoder"], (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+
+
+# Where a label may go, in points from its point: the diagonals first (a front's step line leaves each point to the
+# right, level), then right, left, above and below; then the same farther out.
+_DIRECTIONS = [(1, 1), (1, -1), (-1, 1), (-1, -1), (1, 0), (-1, 0), (0, 1), (0, -1)]
+_RINGS = (8, 18, 30, 44, 60)  # the first clears the marker (5 points) and a label's margin
+_OFFSETS = [(dx * r, dy * r) for r in _RINGS for dx, dy in _DIRECTIONS]
+
+
+def _label_points(fig: Any, ax: Any, rows: list[dict], colors: dict[str, str]) -> list[tuple[float, ...]]:
+    """Each decoder's name beside its point, at the first offset (nearest first) where its box overlaps no label
+    placed before it, no point and stays inside the axes; if none is free, where it overlaps least. A label moved
+    farther than the nearest ring gets a thin leader line. Needs the final layout: call after tight_layout.
+    Returns the labels' boxes in pixels (with their margin), in `rows` order."""
+    from matplotlib.text import Text
+
+    renderer = fig.canvas.get_renderer()
+    inside = ax.get_window_extent(renderer)
+    centres = [ax.transData.transform((r["mean_fpe"], 100 * r["accuracy"])) for r in rows]
+    pad, gap = 5 * fig.dpi / 72, 1.5 * fig.dpi / 72  # a marker's half-width and a label's margin, in pixels
+    taken = [(x - pad, y - pad, x + pad, y + pad) for x, y in centres]
+    labels: dict[int, tuple[float, ...]] = {}
+    # Top to bottom, so that the crowded upper labels (the ones a reader looks for) go nearest their points.
+    for index in sorted(range(len(rows)), key=lambda i: -rows[i]["accuracy"]):
+        r = rows[index]
+        best, best_cost = None, None
+        for dx, dy in _OFFSETS:
+            ha = "left" if dx > 0 else "right" if dx < 0 else "center"
+            va = "bottom" if dy > 0 else "top" if dy < 0 else "center"
+            far = max(abs(dx), abs(dy)) > _RINGS[0]
+            text = ax.annotate(r["decoder"], (r["mean_fpe"], 100 * r["accuracy"]), textcoords="offset points",
+                               xytext=(dx, dy), ha=ha, va=va, fontsize=7, color=colors[r["checkpoint"]], zorder=4,
+                               # a light backing keeps a label legible where it crosses a step line or a bar
+                               bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.7},
+                               arrowprops={"arrowstyle": "-", "color": colors[r["checkpoint"]], "lw": 0.5,
+                                           "alpha": 0.6} if far else None)
+            text.update_positions(renderer)
+            box = Text.get_window_extent(text, renderer)  # the words alone: an Annotation's own box has its leader
+            box = (box.x0 - gap, box.y0 - gap, box.x1 + gap, box.y1 + gap)  # labels that touch read as one
+            cost = sum(_overlap(box, other) for other in taken) + _outside(box, inside)
+            if best_cost is None or cost < best_cost:
+                if best is not None:
+                    best[0].remove()
+                best, best_cost = (text, box), cost
+            else:
+                text.remove()
+            if cost == 0:
+                break
+        taken.append(best[1])
+        labels[index] = best[1]
+    return [labels[i] for i in range(len(rows))]
+
+
+def _overlap(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    return max(0.0, min(a[2], b[2]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+
+
+def _outside(box: tuple[float, ...], inside: Any) -> float:
+    """The area of `box` outside the axes, weighted so that leaving the plot is worse than touching a label."""
+    width, height = box[2] - box[0], box[3] - box[1]
+    kept = _overlap(box, (inside.x0, inside.y0, inside.x1, inside.y1))
+    return 10 * (width * height - kept)

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from redumix.pipeline import reference
-from redumix.pipeline.cli import SECTIONS, STAGES, main
+from redumix.pipeline.cli import QUIET_ENVIRONMENT, SECTIONS, STAGES, main
 from redumix.pipeline.config import load_config
 from redumix.pipeline.decoders import DECODERS
 from redumix.pipeline.harvest import _differences
@@ -147,3 +147,33 @@ def test_the_shipped_base_is_found_from_another_directory(tmp_path, monkeypatch)
 
     monkeypatch.chdir(tmp_path)
     assert shipped_base(load_config("tiny")) == ROOT / "models" / "tiny-base"
+
+
+def test_a_stage_is_quiet_about_the_libraries_unless_verbose(tmp_path):
+    """`redumix train` prints its own lines and the Trainer's steps, not the libraries' loading and dataset bars
+    or their warnings; `-v` brings those back."""
+    import os
+    import shutil
+
+    from tests.train_fixtures import write_base, write_harvest
+
+    run_dir = tmp_path / "run"
+    write_base(run_dir / "base")
+    write_harvest(run_dir / "harvest", n_rows=16, length=12)
+
+    def train(*extra: str) -> str:
+        command = [sys.executable, "-m", "redumix.pipeline.cli", "train", "--run-dir", str(run_dir), *extra,
+                   f"model.path={run_dir / 'base'}", "train.max_steps=2", "train.adapter=full", "train.batch_size=4"]
+        done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                              # not what an in-process main() of another test left in this process's environment
+                              env={**{k: v for k, v in os.environ.items() if k not in QUIET_ENVIRONMENT},
+                                   "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout + done.stderr
+
+    quiet = train()
+    assert "train: held-out KL" in quiet and "'loss'" in quiet  # our summary and the Trainer's steps
+    for noise in ("Loading weights", "Map:", "Filter:", "Warning", "WARNING"):
+        assert noise not in quiet, noise
+    shutil.rmtree(run_dir / "train")
+    assert "Loading weights" in train("-v")  # (the datasets' maps are cached by now, so they make no bar)

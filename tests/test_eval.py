@@ -96,6 +96,48 @@ def test_eval_on_real_gsm8k_writes_parseable_reports_and_resumes(tmp_path, model
     assert json.loads((tmp_path / "eval" / "report.json").read_text())["rows"] == report["rows"]
 
 
+def test_eval_with_both_checkpoints_reports_tuned_against_base(tmp_path, model_dir):
+    """The same weights as base and as tuned: every pair agrees, so greedy's change is 0 with nothing fixed or
+    broken, and the table sits in report.md."""
+    import shutil
+
+    shutil.copytree(model_dir, tmp_path / "train" / "merged")
+    overrides = [f"model.path={model_dir}", *SMALL, "eval.n=4", "eval.n_other=3", "eval.decoders=[greedy,sample]",
+                 "eval.tuned_decoders=[greedy]"]
+    run_eval(load_config(ROOT / "recipes" / "tiny.yaml", overrides), RunDir(tmp_path))
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert [r["decoder"] for r in report["tuned_vs_base"]] == ["greedy"]  # sample ran on base alone
+    greedy = report["tuned_vs_base"][0]
+    assert (greedy["n"], greedy["change"], greedy["fixed"], greedy["broken"]) == (4, 0, 0, 0)
+    assert greedy["base_accuracy"] == greedy["tuned_accuracy"] and greedy["mcnemar_p"] == 1.0
+    assert "tuned vs base (paired)" in (tmp_path / "eval" / "report.md").read_text()
+
+
+def test_eval_model_evaluates_a_bare_folder_under_its_own_name(tmp_path, model_dir, monkeypatch, capsys):
+    """`redumix eval --model DIR`: no harvest, train or embedded base; the report and the records carry the
+    folder's name, and the run folder defaults to runs/NAME, not the recipe's."""
+    import shutil
+
+    from redumix.pipeline.cli import main
+
+    mine = tmp_path / "models" / "my-model"
+    shutil.copytree(model_dir, mine)
+    monkeypatch.chdir(tmp_path)
+    code = main(["eval", "--model", str(mine), "--recipe", "tiny", *SMALL, "eval.n=3", "eval.decoders=[greedy]"])
+    assert code == 0, capsys.readouterr().err
+    run_dir = tmp_path / "runs" / "my-model"
+    report = json.loads((run_dir / "eval" / "report.json").read_text())
+    assert [(r["checkpoint"], r["decoder"], r["n"]) for r in report["rows"]] == [("my-model", "greedy", 3)]
+    assert report["checkpoints"] == {"my-model": str(mine)} and report["tuned_vs_base"] == []
+    assert (run_dir / "eval" / "generations" / "my-model--greedy.jsonl").is_file()
+    assert "| my-model | greedy |" in (run_dir / "eval" / "report.md").read_text()
+    assert sorted(p.name for p in run_dir.iterdir() if not p.name.startswith(".")) == ["config.yaml", "eval", "logs"]
+    assert not (tmp_path / "runs" / "tiny").exists()
+    # the label must not pass for the tuned model, nor name another folder
+    assert main(["eval", "--recipe", "tiny", "eval.base_label=tuned"]) == 2
+    assert "base_label must be a file name" in capsys.readouterr().err
+
+
 TIMING = ("wall_s", "tokens_per_s")
 
 

@@ -7,12 +7,14 @@ import pytest
 
 from redumix.pipeline.report import (
     mcnemar_exact_p,
+    n_caption,
     newcombe_paired_interval,
     paired_with_greedy,
     pareto_front,
     plot_accuracy_vs_fpe,
     report_markdown,
     summarize,
+    tuned_vs_base,
 )
 
 # Cavo et al. (2012), complete response before/after consolidation therapy: the worked example of Fagerland,
@@ -111,6 +113,36 @@ def test_summarize_adds_the_comparison_only_where_it_applies():
     assert "vs_greedy" not in summarize("base", "sample", decoder, greedy=[record("elsewhere", True)])
 
 
+# --- tuned against base -------------------------------------------------------------------------------------------
+
+
+def test_tuned_vs_base_pairs_each_decoder_both_checkpoints_ran():
+    greedy, decoder = greedy_and_decoder()
+    records = {"base": {"greedy": greedy[:4], "moi": greedy[:4]},
+               "tuned": {"greedy": decoder, "sample": decoder, "moi": greedy[:4]}}
+    rows = tuned_vs_base(records)
+    assert [r["decoder"] for r in rows] == ["greedy", "moi"]  # sample ran on tuned only
+    first = rows[0]
+    # the 4 shared examples: base right on a, b; tuned right on a, c, d -> fixed c, d; broke b
+    assert (first["n"], first["fixed"], first["broken"]) == (4, 2, 1)
+    assert (first["base_accuracy"], first["tuned_accuracy"]) == (0.5, 0.75)
+    assert first["change"] == pytest.approx(0.25) and first["low"] <= 0.25 <= first["high"]
+    assert first["mcnemar_p"] == pytest.approx(1.0) and first["fpe_vs_base"] == pytest.approx(3.0)
+    assert rows[1]["change"] == 0 and rows[1]["mcnemar_p"] == 1.0
+    assert tuned_vs_base({"base": records["base"]}) == []  # no tuned checkpoint: no table
+    assert tuned_vs_base({"tuned": records["tuned"]}) == []
+
+    report = {**report_with_pairs(), "tuned_vs_base": rows}
+    markdown = report_markdown(report)
+    assert "tuned vs base (paired)" in markdown
+    lines = markdown.splitlines()
+    line = next(x for x in lines if x.startswith("| greedy | 50.0% | 75.0% | +25.0 |"))
+    assert "| 2 / 1 | 4 | 1 |" in line
+    # right after the main table: before the details and the vs-greedy tables
+    assert lines.index(line) < next(i for i, x in enumerate(lines) if x.startswith("vs greedy (paired)"))
+    assert "tuned vs base" not in report_markdown(report_with_pairs())
+
+
 # --- the Pareto front ---------------------------------------------------------------------------------------------
 
 
@@ -179,3 +211,37 @@ def test_plot_marks_the_front_and_is_written(tmp_path):
     path = tmp_path / "eval" / "accuracy_vs_fpe.png"
     plot_accuracy_vs_fpe(rows, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_labels_never_overlap_each_other_or_a_point():
+    """The crowd the issue names: redumix-oracle@0 / redumix-oracle / redumix-self at one cost, greedy and moi at one
+    point, and base and tuned reflective side by side; every label finds a free place."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from redumix.pipeline.report import _label_points, _overlap, _plot_checkpoint
+
+    rows = [row("base", "greedy", 0.43, 41), row("base", "moi", 0.43, 41), row("base", "redumix-oracle", 0.86, 180),
+            row("base", "redumix-oracle@0", 0.85, 178), row("base", "redumix-self", 0.84, 182),
+            row("base", "reflective", 0.55, 105), row("tuned", "reflective", 0.55, 100),
+            row("tuned", "greedy", 0.63, 41), row("tuned", "moi", 0.63, 41.5)]
+    fig, ax = plt.subplots(figsize=(10, 6), dpi=120)
+    colors = {"base": "C0", "tuned": "C1"}
+    for checkpoint, color in colors.items():
+        _plot_checkpoint(ax, [r for r in rows if r["checkpoint"] == checkpoint], checkpoint, color, "o")
+    ax.set_xscale("log")
+    fig.tight_layout()
+    boxes = _label_points(fig, ax, rows, colors)
+    texts = [t.get_text() for t in ax.texts]
+    plt.close(fig)
+    assert sorted(texts) == sorted(r["decoder"] for r in rows)  # one label a point, the tried places removed
+    for i, a in enumerate(boxes):
+        assert all(_overlap(a, b) == 0 for b in boxes[i + 1 :]), rows[i]["decoder"]
+
+
+def test_the_caption_gives_n():
+    rows = [{**row("base", "greedy", 0.4, 41), "n": 1000}, row("base", "moi", 0.4, 41), row("base", "sr", 0.4, 41)]
+    assert n_caption(rows) == "n = 1000 for greedy; 100 for each other decoder (examples per checkpoint)"
+    assert n_caption(rows[1:]) == "n = 100 examples per decoder and checkpoint"

@@ -61,6 +61,30 @@ def test_full_finetune_writes_merged_only(tmp_path: Path) -> None:
     AutoModelForCausalLM.from_pretrained(str(run.train / "merged"))
 
 
+def test_report_to_tensorboard_writes_an_events_file(tmp_path: Path) -> None:
+    run = _run(tmp_path, n_rows=16)
+    overrides = [*FAST, "train.adapter=full", "train.max_steps=2", "train.report_to=tensorboard"]
+    run_train(load_config(None, overrides), run)
+    events = list((run.train / "checkpoints" / "runs").glob("*/events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].stat().st_size > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(events[0].parent))
+    accumulator.Reload()
+    assert "train/loss" in accumulator.Tags()["scalars"]
+
+
+def test_report_to_without_its_package_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from redumix.train.trainer import check_report_to
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="train.report_to=wandb needs the wandb package"):
+        check_report_to("wandb")
+    check_report_to("none")  # needs nothing
+
+
 def test_row_filters_and_heldout_split(tmp_path: Path) -> None:
     write_harvest(tmp_path, n_rows=30, length=4)
     rows = load_harvest(tmp_path)

@@ -135,6 +135,12 @@ class TrainConfig:
     save_steps: int = field(default=100, metadata={"help": "Checkpoint every this many optimizer steps."})
     save_total_limit: int = field(default=2, metadata={"help": "Checkpoints kept (oldest deleted first)."})
     logging_steps: int = field(default=10, metadata={"help": "Log the loss every this many steps."})
+    report_to: Literal["none", "tensorboard", "wandb"] = field(
+        default="none",
+        metadata={"help": "Where the HF Trainer also logs: 'tensorboard' (RUN_DIR/train/checkpoints/runs/; "
+                  "`pip install -e .[tensorboard]`) or 'wandb' (needs wandb installed and logged in). The loss goes "
+                  "to RUN_DIR/logs/metrics.jsonl either way."},
+    )
 
     def __post_init__(self) -> None:
         problems = []

@@ -9,6 +9,7 @@ brings the rest unchanged: peft wrapping, DeepSpeed, checkpoints and resume, log
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 from typing import Any
 
 import torch
@@ -110,6 +111,7 @@ def lora_config(config: TrainConfig) -> LoraConfig | None:
 def hf_arguments(config: TrainConfig, output_dir: str, seed: int, use_cpu: bool, processes: int) -> dict[str, Any]:
     """The HF TrainingArguments every trainer here shares (GKD's SFTConfig, SDFT's SDFTConfig, train/sdft.py).
     Checkpoints hold weights, optimizer, scheduler, data position and RNG."""
+    check_report_to(config.report_to)
     return dict(
         output_dir=output_dir,
         seed=seed,
@@ -133,10 +135,21 @@ def hf_arguments(config: TrainConfig, output_dir: str, seed: int, use_cpu: bool,
         save_total_limit=config.save_total_limit,
         logging_steps=config.logging_steps,
         logging_first_step=True,
-        report_to="none",
+        report_to=config.report_to,
         disable_tqdm=False,
         dataloader_num_workers=0,
     )
+
+
+# The package each `train.report_to` needs; HF Trainer would otherwise fail later with a traceback.
+REPORT_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def check_report_to(report_to: str) -> None:
+    package = REPORT_PACKAGES.get(report_to)
+    if package and importlib.util.find_spec(package) is None:
+        raise ValueError(f"train.report_to={report_to} needs the {package} package: pip install {package} (for "
+                         "tensorboard, `pip install -e .[tensorboard]`)")
 
 
 def training_arguments(config: TrainConfig, output_dir: str, seed: int, use_cpu: bool, processes: int) -> SFTConfig:
