@@ -220,16 +220,16 @@ def plot_rounds(summary: dict[str, Any], path: Path) -> None:
     xs = [row["round"] for row in rounds]
     fig, (ax, drift) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [2, 1]})
     for decoder in summary["decoders"]:
-        ys = [row[decoder]["accuracy"] for row in rounds]
-        low = [y - row[decoder]["ci_low"] for y, row in zip(ys, rounds, strict=True)]
-        high = [row[decoder]["ci_high"] - y for y, row in zip(ys, rounds, strict=True)]
+        ys = [100 * row[decoder]["accuracy"] for row in rounds]
+        low = [y - 100 * row[decoder]["ci_low"] for y, row in zip(ys, rounds, strict=True)]
+        high = [100 * row[decoder]["ci_high"] - y for y, row in zip(ys, rounds, strict=True)]
         ax.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3, label=f"{decoder} (n={rounds[0][decoder]['n']})")
-        lost = [(row["round"], row[decoder]["accuracy"]) for row in rounds if decoder in row.get("lost", [])]
+        lost = [(row["round"], 100 * row[decoder]["accuracy"]) for row in rounds if decoder in row.get("lost", [])]
         if lost:
             ax.scatter(*zip(*lost, strict=True), s=120, facecolors="none", edgecolors="red", zorder=3)
     ax.set_title("accuracy per round (red ring: skill lost)")
     ax.set_xlabel("round (0 = starting model)")
-    ax.set_ylabel("accuracy (95% Wilson interval)")
+    ax.set_ylabel("accuracy, % (95% Wilson interval)")
     ax.set_xticks(xs)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
