@@ -89,7 +89,9 @@ def write_set(out: Path, name: str, records: list[dict[str, Any]]) -> None:
     """NAME.jsonl, NAME.parquet and the dataset folder NAME/. The folder is built beside its place and renamed in;
     the manifest, written after every set, is what says the export is whole."""
     atomic_write_text(out / f"{name}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    dataset = Dataset.from_list(records, features=FEATURES[name])
+    # Column by column, so that an empty set still has its columns (from_list([]) makes a table without any).
+    features = FEATURES[name]
+    dataset = Dataset.from_dict({key: [r[key] for r in records] for key in features}, features=features)
     buffer = io.BytesIO()
     dataset.to_parquet(buffer)
     atomic_write_bytes(out / f"{name}.parquet", buffer.getvalue())
