@@ -307,19 +307,23 @@ def plot_evidence(summary: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     arms = list(summary["arms"])
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
     for ax, part, title in ((axes[0], "test", "held-out test"), (axes[1], "variant", "held-out variant")):
-        means = [summary["arms"][a][part]["mean"] for a in arms]
-        low = [m - summary["arms"][a][part]["min"] for a, m in zip(arms, means, strict=True)]
-        high = [summary["arms"][a][part]["max"] - m for a, m in zip(arms, means, strict=True)]
+        means = [100 * summary["arms"][a][part]["mean"] for a in arms]
+        low = [m - 100 * summary["arms"][a][part]["min"] for a, m in zip(arms, means, strict=True)]
+        high = [100 * summary["arms"][a][part]["max"] - m for a, m in zip(arms, means, strict=True)]
         ax.bar(range(len(arms)), means, yerr=[low, high], capsize=3, color="tab:blue")
-        ax.axhline(summary["base"][part]["accuracy"], color="black", linestyle="--", label="base")
+        ax.axhline(100 * summary["base"][part]["accuracy"], color="black", linestyle="--", label="base")
         ax.set_xticks(range(len(arms)), arms, rotation=35, ha="right")
-        ax.set_ylabel("greedy accuracy (mean, min–max over seeds)")
+        ax.set_ylabel("greedy accuracy, %")
         ax.set_title(title)
         ax.legend()
         ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
+    fig.suptitle("Greedy accuracy of each evidence arm, every arm trained the same steps from the same base")
+    seeds = ", ".join(str(s) for s in summary.get("seeds", []))
+    fig.text(0.01, 0.01, f"n = {summary['n']} problems per arm and part; the mean over seeds {seeds} for the main "
+             "arms (error bars: min–max), the first seed for the others", fontsize=8)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     tmp = path.with_name(path.name + ".tmp.png")
     fig.savefig(tmp, dpi=120)
     plt.close(fig)
