@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tqdm import tqdm
+
 from redumix.data.arith import LINE, apply
 from redumix.data.task import Example, Task
 from redumix.embedded.config import BaseConfig
@@ -25,6 +27,7 @@ from redumix.generate.plain import PlainDecoder
 from redumix.generate.policy import SamplingPolicy
 from redumix.generate.redumix import RedumixConfig, RedumixDecoder
 from redumix.generate.reflective import ReflectiveConfig, ReflectiveDecoder
+from redumix.pipeline.run import rank
 
 GREEDY = SamplingPolicy(temperature=0.0, max_new_tokens=160)
 FORCED_HIDDEN_TOKENS = 240  # with GREEDY's 160 visible ones, the 400 tokens an answer with spans may take
@@ -41,7 +44,8 @@ def decode(
     decoder: Decoder, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], task: Task, batch_size: int
 ) -> list[Decoded]:
     out: list[Decoded] = []
-    for lo in range(0, len(examples), batch_size):
+    starts = range(0, len(examples), batch_size)
+    for lo in tqdm(starts, desc=f"base: measuring {decoder.name}", unit="batch", disable=rank() != 0):
         out += decoder(model, tokenizer, examples[lo : lo + batch_size], task)
     return out
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from tqdm import tqdm
+
 from redumix.data.tasks import make_task
 from redumix.embedded.stage import ensure_base
 from redumix.generate.decoder import attempt_prompts, example_seeds
@@ -25,7 +27,7 @@ from redumix.generate.reflective_loop import ReflectiveResult, reflective_genera
 from redumix.generate.reflective_markers import resolve_markers
 from redumix.generate.reflective_tuning import calibrate_tau, choose_stop
 from redumix.pipeline.config import Config
-from redumix.pipeline.run import RunDir, log_metrics, model_path, print0
+from redumix.pipeline.run import RunDir, log_metrics, model_path, print0, rank
 
 
 def run_calibrate(config: Config, run: RunDir) -> None:
@@ -39,8 +41,15 @@ def run_calibrate(config: Config, run: RunDir) -> None:
     stop_ids = stop_token_ids(model, tokenizer)
 
     def decode(settings: ReflectiveConfig) -> list[ReflectiveResult]:
-        return reflective_generate(model, tokenizer, prompts, config.sampling, seeds, stop_ids,
-                                   tokenizer.pad_token_id, settings)
+        """Every prompt, in batches of eval.batch_size under one progress bar (each prompt has its own seed, so the
+        batching changes nothing decoded)."""
+        batch = config.eval.batch_size
+        results: list[ReflectiveResult] = []
+        starts = range(0, len(prompts), batch)
+        for lo in tqdm(starts, desc=f"calibrate (stop={settings.stop})", unit="batch", disable=rank() != 0):
+            results += reflective_generate(model, tokenizer, prompts[lo : lo + batch], config.sampling,
+                                           seeds[lo : lo + batch], stop_ids, tokenizer.pad_token_id, settings)
+        return results
 
     def decode_and_grade(settings: ReflectiveConfig) -> tuple[list[ReflectiveResult], list[bool]]:
         results = decode(settings)

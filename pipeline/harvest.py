@@ -154,6 +154,7 @@ def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Examp
     size = config.harvest.shard_rows
     total = sum(len(examples[k * size : (k + 1) * size]) for k in shards)
     bar = tqdm(total=total, desc=f"harvest[rank {rank()}]", unit="ex", disable=rank() != 0 and world_size() > 1)
+    redos_right = redos_done = 0  # the bar's running redo accuracy over this run's shards, not the current one's
     for k in shards:
         shard = examples[k * size : (k + 1) * size]
         rows = []
@@ -165,9 +166,12 @@ def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Examp
                 config.seed, stop_ids, feedback_fn(config, task, batch),
             )
             seconds = (time.perf_counter() - began) / len(batch)
-            rows += [make_row(e, r, config, task, str(path), seconds) for e, r in zip(batch, results, strict=True)]
+            made = [make_row(e, r, config, task, str(path), seconds) for e, r in zip(batch, results, strict=True)]
+            rows += made
+            redos_right += sum(bool(r["redo_correct"]) for r in made)
+            redos_done += len(made)
             bar.update(len(batch))
-            bar.set_postfix(redo_acc=f"{sum(bool(r['redo_correct']) for r in rows) / len(rows):.2f}")
+            bar.set_postfix(redo_acc=f"{redos_right / redos_done:.3f}")
         atomic_write_bytes(run.harvest / shard_name(k), encode_shard(rows))
         log_metrics(run, "harvest", shard=k, rows=len(rows))
     bar.close()
