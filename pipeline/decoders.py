@@ -3,7 +3,8 @@
 Each decoder is a module of generate/ holding its settings dataclass and the decoder. Its line in `DECODERS` gives
 the config section it reads (`config.redumix`, ...: `Config` gets one section per key named here), the factory that
 builds it from the resolved config, the suffix its name may take (`redumix-oracle@0.3`, `vote@8`), and one line of
-help. `eval.decoders`' help and default, the `@` suffixes and the "known:" message are derived from the table.
+help. `eval.decoders`' help and default, the `@` suffixes and the "known:" message are derived from the table. A
+decoder that needs more than the checkpoint (a second model) stays out of eval's default run (`default=False`).
 
 The factories live here, not in generate/, because they read the whole Config (a decoder's own section, the shared
 sampling policy, the seed) and generate/ knows nothing of stages or recipes.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from redumix.generate.cntp import CntpConfig, CntpDecoder
@@ -24,6 +26,8 @@ from redumix.generate.plain import PlainDecoder
 from redumix.generate.redumix import RedumixConfig, RedumixDecoder
 from redumix.generate.reflective import ReflectiveConfig, ReflectiveDecoder
 from redumix.generate.reflective_tuning import matched_ablations
+from redumix.generate.speculative import GuideGreedyDecoder, SpeculativeConfig, SpeculativeDecoder
+from redumix.pipeline.records import model_identity
 
 if TYPE_CHECKING:  # pipeline/config.py builds Config from this table, so it is imported here for types only
     from redumix.pipeline.config import Config
@@ -38,6 +42,7 @@ class DecoderEntry:
     make: DecoderFactory
     suffix: str  # what may follow its name after '@' ("@λ", "@N"), or "" for nothing
     help: str
+    default: bool = True  # in eval's default run
 
 
 # --- factories ------------------------------------------------------------------------------------------------------
@@ -114,6 +119,47 @@ def _matched(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decod
     return ReflectiveDecoder(name, settings, config.sampling, config.seed)
 
 
+def _guide(config: Config) -> tuple[str, str]:
+    """The guide's folder, resolved as `base.shipped` is (a relative path missing here is read from the repository),
+    and its identity."""
+    if config.speculative.guide_path is None:
+        raise ValueError("speculative.guide_path is not set: the speculative decoders and guide-greedy need a guide "
+                         "model folder (the same tokenizer as model.path, a larger model)")
+    folder = Path(config.speculative.guide_path)
+    repo = Path(__file__).resolve().parents[1]  # pipeline/config.py's REPO (it imports this file, so not from there)
+    if not folder.exists() and (repo / folder).exists():
+        folder = repo / folder
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"speculative.guide_path={config.speculative.guide_path}: no model there (expected a Hugging "
+                         "Face folder with config.json)")
+    return str(folder), model_identity(folder)
+
+
+def _speculative(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decoder:
+    policy = dataclasses.replace(config.sampling, temperature=0.0)
+    return SpeculativeDecoder(name, config.speculative, policy, config.seed, *_guide(config),
+                              config.model.trust_remote_code)
+
+
+def _speculative_random(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decoder:
+    """The random-trigger ablation at speculative-thinking's guide budget: a handover at each delimiter point with
+    probability (its handovers) / (its delimiter points), so the guide gets as many steps on average."""
+    guided = earlier.get("speculative-thinking")
+    if not guided:
+        raise ValueError(f"eval.decoders: {name!r} is matched to 'speculative-thinking', so list "
+                         "'speculative-thinking' before it")
+    steps = sum(r["extra"]["guide_steps"] for r in guided)
+    points = sum(r["extra"]["delimiter_points"] for r in guided)
+    settings = dataclasses.replace(config.speculative, random_rate=min(1.0, steps / max(1, points)))
+    policy = dataclasses.replace(config.sampling, temperature=0.0)
+    return SpeculativeDecoder(name, settings, policy, config.seed, *_guide(config), config.model.trust_remote_code)
+
+
+def _guide_greedy(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decoder:
+    policy = dataclasses.replace(config.sampling, temperature=0.0)
+    return GuideGreedyDecoder(name, policy, config.seed, *_guide(config), config.model.trust_remote_code)
+
+
 # --- the table ------------------------------------------------------------------------------------------------------
 
 REDUMIX = ("redumix", RedumixConfig)
@@ -121,6 +167,7 @@ MOI = ("moi", MoiConfig)
 CNTP = ("cntp", CntpConfig)
 PDR = ("pdr", PdrConfig)
 REFLECTIVE = ("reflective", ReflectiveConfig)
+SPECULATIVE = ("speculative", SpeculativeConfig)
 
 # name -> (config section, factory, suffix, help). The order is the order of eval's default run and of the config's
 # decoder sections. A decoder's name salts its sampling seed: renaming one changes its records.
@@ -140,12 +187,20 @@ DECODERS: dict[str, DecoderEntry] = {
     "reflective-periodic": DecoderEntry(REFLECTIVE, _matched, "", "ablation: reflect periodically (after reflective)"),
     "reflective-random": DecoderEntry(REFLECTIVE, _matched, "", "ablation: reflect at random (after reflective)"),
     "reflective-fixed": DecoderEntry(REFLECTIVE, _matched, "", "ablation: one fixed-length span (after reflective)"),
+    "guide-greedy": DecoderEntry(SPECULATIVE, _guide_greedy, "", "greedy by the guide model alone "
+                                 "(needs speculative.guide_path; not run by default)", default=False),
+    "speculative-thinking": DecoderEntry(SPECULATIVE, _speculative, "", "Speculative Thinking: a guide model writes "
+                                         "the steps that open reflectively (needs speculative.guide_path; not run "
+                                         "by default)", default=False),
+    "speculative-random": DecoderEntry(SPECULATIVE, _speculative_random, "", "ablation: random handovers at its "
+                                       "guide budget (after speculative-thinking; not run by default)",
+                                       default=False),
 }
 
-# Eval's default: every decoder, with the oracle at λ = 1 (plain decoding), the recipe's λ and 0 (the reflective
-# context alone).
+# Eval's default: every decoder but those that need a second model, with the oracle at λ = 1 (plain decoding), the
+# recipe's λ and 0 (the reflective context alone).
 LAMBDA_SWEEP = {"redumix-oracle": ["redumix-oracle@1", "redumix-oracle", "redumix-oracle@0"]}
-DEFAULT_DECODERS = [run for name in DECODERS for run in LAMBDA_SWEEP.get(name, [name])]
+DEFAULT_DECODERS = [run for name, entry in DECODERS.items() if entry.default for run in LAMBDA_SWEEP.get(name, [name])]
 
 
 def decoder_sections(table: dict[str, DecoderEntry] = DECODERS) -> dict[str, type]:

@@ -3,7 +3,8 @@ each decoder buys (accuracy, with a 95% Wilson interval) and what it costs (toke
 
 Decoders, by name in `eval.decoders`: the `DECODERS` table of pipeline/decoders.py, one line a decoder (greedy,
 sample, longhand, ReDuMix with verifier or self feedback and `@λ`, MoI, CNTP, vote@N, PDR, SR, Reflective Decoding
-and its matched ablations, which follow the gated `reflective` run).
+and its matched ablations, which follow the gated `reflective` run; Speculative Thinking with a guide model, the
+guide's greedy and the random-handover ablation, which are run only when listed).
 
 A decoder or a task defined elsewhere (a test, a notebook) goes in through `run_eval(config, run, task=...,
 decoders={**DECODERS, "name": DecoderEntry(...)})`, with no edit here.

@@ -61,6 +61,12 @@ def summarize(checkpoint: str, decoder: str, records: list[dict], greedy: list[d
     if extras and all("n_reflections" in x for x in extras):
         row["reflections_per_example"] = sum(r["extra"]["n_reflections"] for r in records) / max(n, 1)
         row["hidden_tokens_per_example"] = sum(r["extra"]["hidden_tokens"] for r in records) / max(n, 1)
+    if extras and all("fpe_guide" in x for x in extras):  # two models: each one's share, per example
+        for key in ("fpe_small", "fpe_guide", "tokens_small", "tokens_guide"):
+            row[key] = sum(x[key] for x in extras) / max(n, 1)
+        row["guide_share"] = sum(x["tokens_guide"] for x in extras) / max(1, tokens)
+        row["guide_steps_per_example"] = sum(x["guide_steps"] for x in extras) / max(n, 1)
+        row["delimiter_points_per_example"] = sum(x["delimiter_points"] for x in extras) / max(n, 1)
     if greedy and decoder != BASELINE:
         row.update(paired_with_greedy(records, greedy))
     if n == 0:  # nothing was scored: a rate of nothing is undefined, not 0 (JSON null; the Markdown says so)
@@ -243,7 +249,8 @@ def report_markdown(report: dict) -> str:
     if not report["rows"]:
         lines += ["", "No decoder ran: `eval.decoders` (or the checkpoints) left nothing to evaluate."]
     lines += _tuned_vs_base_markdown(report.get("tuned_vs_base", []))  # reports written before it have none
-    extras = [r for r in report["rows"] if "fixed" in r or "longest_context" in r or "reflections_per_example" in r]
+    extras = [r for r in report["rows"] if "fixed" in r or "longest_context" in r or "reflections_per_example" in r
+              or "fpe_guide" in r]
     if extras:
         lines += ["", "| checkpoint | decoder | details |", "|---|---|---|"]
         for r in extras:
@@ -252,6 +259,11 @@ def report_markdown(report: dict) -> str:
             elif "longest_context" in r:
                 rounds = ", ".join(f"{t:.0f}" for t in r["tokens_per_round"])
                 detail = f"tokens per round [{rounds}], longest context {r['longest_context']}"
+            elif "fpe_guide" in r:
+                detail = (f"FPE small {r['fpe_small']:.0f} + guide {r['fpe_guide']:.0f}; tokens small "
+                          f"{r['tokens_small']:.1f} + guide {r['tokens_guide']:.1f} (guide share "
+                          f"{r['guide_share']:.1%}); {r['guide_steps_per_example']:.2f} guide steps at "
+                          f"{r['delimiter_points_per_example']:.2f} delimiter points per example")
             else:
                 detail = (f"{r['reflections_per_example']:.2f} reflections and "
                           f"{r['hidden_tokens_per_example']:.1f} hidden tokens per example")

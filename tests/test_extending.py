@@ -64,10 +64,13 @@ def test_unknown_decoders_get_the_derived_known_message(tmp_path, tiny_model_dir
 
 def test_the_lists_of_decoders_come_from_the_table():
     sections = decoder_sections()
-    assert list(sections) == ["redumix", "moi", "cntp", "pdr", "reflective"]
+    assert list(sections) == ["redumix", "moi", "cntp", "pdr", "reflective", "speculative"]
     fields = {f.name: f for f in dataclasses.fields(Config)}
     assert all(fields[key].type is cls for key, cls in sections.items())  # config.redumix is a RedumixConfig, ...
-    assert {name.partition("@")[0] for name in DEFAULT_DECODERS} == set(DECODERS)
+    # Every decoder runs by default but those that need a second model (speculative.guide_path).
+    assert {name.partition("@")[0] for name in DEFAULT_DECODERS} == {n for n, e in DECODERS.items() if e.default}
+    assert [n for n, e in DECODERS.items() if not e.default] == [
+        "guide-greedy", "speculative-thinking", "speculative-random"]
     assert DEFAULT_DECODERS == [
         "greedy", "sample", "longhand", "redumix-oracle@1", "redumix-oracle", "redumix-oracle@0", "redumix-self",
         "moi", "cntp", "vote", "pdr", "sr", "reflective", "reflective-periodic", "reflective-random",
