@@ -4,6 +4,7 @@ timed one right after the other."""
 from __future__ import annotations
 
 from bench.bench_decode import Pairs, round_robin
+from redumix.pipeline.config import REPO
 
 
 def test_round_robin_deals_each_key_its_pairs_over_the_rounds():
@@ -41,3 +42,16 @@ def test_teacher_signal_reads_the_right_result_of_the_line_a_sample_ends_on():
     assert right_result("4 + 9 = 13\n13 * 2 = ") == "26"
     assert right_result("20 - 23 = ") == "-3"
     assert right_result("4 + 9 = 13\n") is None and right_result("4 + 9 = 1") is None
+
+
+def test_guide_signal_finds_no_disagreement_when_the_guide_is_the_small_model(capsys, monkeypatch):
+    """bench/guide_signal.py on the shipped base as both models: the guide is right exactly where the small model is,
+    and every threshold's shares are read from the same results."""
+    from bench import guide_signal
+
+    base = str(REPO / "models" / "tiny-base")
+    monkeypatch.setattr("sys.argv", ["guide_signal", "--small", base, "--guide", base, "--rows", "40"])
+    guide_signal.main()
+    out = capsys.readouterr().out
+    assert "the guide's argmax is right at 0.0% of those and 100.0% of the small model's right ones" in out
+    assert out.count("\n| 0.") == len(guide_signal.THRESHOLDS)
