@@ -4,6 +4,11 @@ A task gives examples with stable ids, reads a final answer out of a completion,
 verifier's feedback that never reveals the gold answer. A task that can teach the embedded base (`arith`) also
 yields its training episodes. Stages take a `Task` and never import grading themselves; `data/tasks.py` is the one
 place that picks a task by name, and composes the `task` config section from each task's own settings.
+
+A task may also give named sub-scores: `sub_scores(text, example) -> dict[str, bool]`, a verdict per named check
+that applies to the example (`constraints` gives one per constraint, by kind). It is optional, so it is not in the
+protocol: eval keeps them in each record, and its report gives each name's pass rate over the examples it applies
+to.
 """
 
 from __future__ import annotations

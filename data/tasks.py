@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redumix.data.arith import ArithConfig, ArithTask
+from redumix.data.constraints import ConstraintsConfig, ConstraintsTask
 from redumix.data.gsm8k import Gsm8kConfig, Gsm8kTask
 from redumix.data.task import Task
 
@@ -28,6 +29,7 @@ class TaskEntry:
 TASKS: dict[str, TaskEntry] = {
     "arith": TaskEntry(ArithConfig, ArithTask, "generated multi-step arithmetic word problems (data/arith.py)"),
     "gsm8k": TaskEntry(Gsm8kConfig, Gsm8kTask, "grade-school math word problems from JSON Lines (data/gsm8k.py)"),
+    "constraints": TaskEntry(ConstraintsConfig, ConstraintsTask, "IFEval-style instructions (data/constraints.py)"),
 }
 
 
@@ -64,10 +66,11 @@ def flat_settings(config: TaskConfig) -> dict[str, Any]:
 
     That is the layout of the one flat TaskConfig that held every task's settings before each task had its own
     section. The base's build_config.yaml and the harvest and eval fingerprints are made from it, so a shipped base
-    and the records written before still match. A task added since joins with its own section, under its name.
+    and the records written before still match. A task added since joins with its own section, under its name, when
+    it is the task named: so adding a task changes no fingerprint of a run of another task.
     """
     flat = {"name": config.name, "path": config.gsm8k.path, "prompt_suffix": config.prompt_suffix,
             **dataclasses.asdict(config.arith)}
     later = {name: dataclasses.asdict(getattr(config, name)) for name, entry in TASKS.items()
-             if entry.settings is not None and name not in ("arith", "gsm8k")}
+             if entry.settings is not None and name not in ("arith", "gsm8k") and name == config.name}
     return {**flat, **later}

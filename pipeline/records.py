@@ -40,7 +40,9 @@ def read_records(path: Path) -> list[dict]:
 def make_record(
     example: Example, out: Decoded, task: Task, decoder: str, checkpoint: str, identity: str, seconds: float
 ) -> dict:
-    return {
+    """One example's record. A task with named sub-scores (`sub_scores`, data/task.py) adds them under that key; the
+    report gives each one's pass rate."""
+    record = {
         "id": example.id,
         "checkpoint": checkpoint,
         "decoder": decoder,
@@ -56,6 +58,10 @@ def make_record(
         "seconds": round(seconds, 5),
         "extra": out.extra,
     }
+    sub_scores = getattr(task, "sub_scores", None)
+    if sub_scores is not None:
+        record["sub_scores"] = sub_scores(out.text, example)
+    return record
 
 
 def score_resumable(

@@ -7,7 +7,10 @@ fixed and broke, McNemar's exact p-value and its FPE relative to greedy. Unpaire
 against mean FPE per checkpoint, drawn on the plot and listed in the Markdown.
 
 What training bought is the same paired comparison across checkpoints: each decoder on the tuned checkpoint
-against itself on the base one (`tuned_vs_base`), so "did distillation help, by how much" is one row."""
+against itself on the base one (`tuned_vs_base`), so "did distillation help, by how much" is one row.
+
+A task with named sub-scores (`constraints`: one per kind of constraint) gets each one's pass rate per row
+(`sub_scores` in report.json, a table in report.md)."""
 
 from __future__ import annotations
 
@@ -67,11 +70,23 @@ def summarize(checkpoint: str, decoder: str, records: list[dict], greedy: list[d
         row["guide_share"] = sum(x["tokens_guide"] for x in extras) / max(1, tokens)
         row["guide_steps_per_example"] = sum(x["guide_steps"] for x in extras) / max(n, 1)
         row["delimiter_points_per_example"] = sum(x["delimiter_points"] for x in extras) / max(n, 1)
+    if records and all("sub_scores" in r for r in records):
+        row["sub_scores"] = sub_score_rates(records)
     if greedy and decoder != BASELINE:
         row.update(paired_with_greedy(records, greedy))
     if n == 0:  # nothing was scored: a rate of nothing is undefined, not 0 (JSON null; the Markdown says so)
         row.update(accuracy=None, ci_low=None, ci_high=None, mean_tokens=None, mean_fpe=None, prefill_tokens=None)
     return row
+
+
+def sub_score_rates(records: list[dict]) -> dict[str, dict[str, Any]]:
+    """Each named sub-score of the records (a task's `sub_scores`, e.g. one per constraint kind), by name in sorted
+    order: how many of the records it applies to passed it, out of how many, and the rate."""
+    passed: dict[str, list[bool]] = {}
+    for record in records:
+        for name, verdict in record["sub_scores"].items():
+            passed.setdefault(name, []).append(bool(verdict))
+    return {name: {"passed": sum(v), "n": len(v), "rate": sum(v) / len(v)} for name, v in sorted(passed.items())}
 
 
 # --- paired comparison with greedy ----------------------------------------------------------------------------------
@@ -268,6 +283,7 @@ def report_markdown(report: dict) -> str:
                 detail = (f"{r['reflections_per_example']:.2f} reflections and "
                           f"{r['hidden_tokens_per_example']:.1f} hidden tokens per example")
             lines.append(f"| {r['checkpoint']} | {r['decoder']} | {detail} |")
+    lines += _sub_scores_markdown(report["rows"])
     lines += _paired_markdown(report["rows"]) + _pareto_markdown(report["rows"])
     if report["diagnostics"]:
         lines += ["", "Reflection diagnostics (after − before each reflection; negative is better):", "",
@@ -301,6 +317,25 @@ def _tuned_vs_base_markdown(rows: list[dict]) -> list[str]:
             f"{100 * r['low']:+.1f} to {100 * r['high']:+.1f} | {r['fixed']} / {r['broken']} | {r['n']} | "
             f"{r['mcnemar_p']:.3g} |"
         )
+    return lines
+
+
+def _sub_scores_markdown(rows: list[dict]) -> list[str]:
+    """The task's sub-scores, one column per name: each row's pass rate with the examples it applies to; nothing
+    when the task gives none."""
+    scored = [r for r in rows if r.get("sub_scores")]
+    if not scored:
+        return []
+    names = sorted({name for r in scored for name in r["sub_scores"]})
+    lines = ["", "Pass rate per sub-score (the task's own checks; for `constraints`, one per kind of constraint), "
+             "over the examples it applies to (their number in brackets):", "",
+             "| checkpoint | decoder | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for r in scored:
+        cells = []
+        for name in names:
+            score = r["sub_scores"].get(name)
+            cells.append("–" if score is None else f"{score['rate']:.0%} ({score['n']})")
+        lines.append(f"| {r['checkpoint']} | {r['decoder']} | " + " | ".join(cells) + " |")
     return lines
 
 
