@@ -4,7 +4,7 @@ timed one right after the other."""
 from __future__ import annotations
 
 from bench.bench_decode import Pairs, round_robin
-from redumix.pipeline.config import REPO
+from redumix.pipeline.config import REPO, load_config
 
 
 def test_round_robin_deals_each_key_its_pairs_over_the_rounds():
@@ -55,3 +55,26 @@ def test_guide_signal_finds_no_disagreement_when_the_guide_is_the_small_model(ca
     out = capsys.readouterr().out
     assert "the guide's argmax is right at 0.0% of those and 100.0% of the small model's right ones" in out
     assert out.count("\n| 0.") == len(guide_signal.THRESHOLDS)
+
+
+def test_target_stability_reads_no_distance_where_the_target_is_the_model_under_x(tmp_path):
+    """bench/target_stability.py on the shipped base: at λ=1 the stored target is the model's own p(· | x, y<t), so
+    its KL from the model under x is zero up to the shards' float16 rounding; at λ=0 the target is p(· | x2, y<t),
+    and the distance shows."""
+    from bench import target_stability
+    from redumix.pipeline.harvest import run_harvest
+    from redumix.pipeline.run import RunDir
+
+    base = REPO / "models" / "tiny-base"
+    small = ["harvest.n=6", "harvest.shard_rows=3", "harvest.batch_size=3", "sampling.temperature=1.0",
+             "redumix.topk=8"]
+    folders = []
+    for lam in ("1.0", "0.0"):
+        config = load_config("tiny", [f"model.path={base}", f"redumix.lam={lam}", *small])
+        run_harvest(config, RunDir(tmp_path / lam))
+        folders.append(str(tmp_path / lam / "harvest"))
+    summary = target_stability.main(["--model", str(base), "--harvest", *folders])
+    at_one, at_zero = (summary[f] for f in folders)
+    assert abs(at_one["kl"][0]) < 2e-3
+    assert at_zero["kl"][1] > 0.01
+    assert all(s["entropy"][0] > 0 for s in summary.values())
