@@ -20,7 +20,7 @@ RANKED := $(shell sed -n 's/$(STAGE_LINE).*ranked=True.*/\1/p' pipeline/cli.py)
 # last one's model. `make evidence`: the controls and ablations of the distillation claim, in RUN_DIR/evidence/.
 ARGS_rounds = $(if $(ROUNDS),rounds.count=$(ROUNDS),)
 
-.PHONY: help install $(STAGES) guide smollm2 bench test test-all lint clean
+.PHONY: help install $(STAGES) guide smollm2 bench gpu-check test test-all lint clean
 help:  # the targets (the first target, so a bare `make` prints this)
 	@echo "make help                     this list"
 	@echo "make install                  the virtual environment in $(VENV)/ (the other targets run it first)"
@@ -32,6 +32,7 @@ help:  # the targets (the first target, so a bare `make` prints this)
 	@echo "make guide                    build the speculative-thinking guide (4x the tiny base) in runs/tiny-guide/base"
 	@echo "make smollm2                  fetch SmolLM2-135M-Instruct (GGUF) into $(SMOLLM2)/"
 	@echo "make bench                    the speed benchmarks (bench/)"
+	@echo "make gpu-check                the GPU path checked on CUDA in one table (a short CPU smoke without one)"
 	@echo "make test                     the tests, without the slow ones"
 	@echo "make test-all                 every test, the slow ones too"
 	@echo "make lint                     ruff"
@@ -71,6 +72,11 @@ $(SMOLLM2)/config.json: $(VENV)/.installed
 
 bench: install
 	$(BIN)/python -m bench.run
+
+# bench/gpu_check.py: decoders, harvest, CFG, a LoRA step, throughput and compile on cuda against the CPU; without
+# CUDA, the same code paths at smoke sizes on the CPU (what CI runs).
+gpu-check: install
+	$(BIN)/python -m bench.gpu_check $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q

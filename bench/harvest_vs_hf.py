@@ -96,7 +96,7 @@ def hf_harvest(
     stage = {"do_sample": False, "pad_token_id": pad, "eos_token_id": stops}
 
     def generate_text(conversations: list[list[dict]], max_new_tokens: int) -> list[str]:
-        batch = _left_padded(tokenizer, [prompt_ids(tokenizer, c) for c in conversations])
+        batch = _left_padded(tokenizer, [prompt_ids(tokenizer, c) for c in conversations], model.device)
         out = model.generate(**batch, **stage, max_new_tokens=max_new_tokens)
         return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
 
@@ -112,8 +112,8 @@ def hf_redo(
 ) -> list[Redo]:
     """The redo of `hf_harvest`: transformers' CFG on x with x2 as the negative prompt, top-k and tail of p_mix."""
     stops = stop_token_ids(model, tokenizer)
-    x = _left_padded(tokenizer, [prompt_ids(tokenizer, attempt_messages(p)) for p in prompts])
-    x2 = _left_padded(tokenizer, x2s)
+    x = _left_padded(tokenizer, [prompt_ids(tokenizer, attempt_messages(p)) for p in prompts], model.device)
+    x2 = _left_padded(tokenizer, x2s, model.device)
     out = model.generate(**x, guidance_scale=LAM, negative_prompt_ids=x2["input_ids"],
                          negative_prompt_attention_mask=x2["attention_mask"], output_scores=True,
                          return_dict_in_generate=True, max_new_tokens=tokens, do_sample=False,
@@ -130,8 +130,11 @@ def hf_redo(
     return redos
 
 
-def _left_padded(tokenizer: PreTrainedTokenizerBase, rows: list[list[int]]) -> dict[str, torch.Tensor]:
-    return tokenizer.pad({"input_ids": rows}, return_tensors="pt", padding_side="left")
+def _left_padded(
+    tokenizer: PreTrainedTokenizerBase, rows: list[list[int]], device: torch.device
+) -> dict[str, torch.Tensor]:
+    padded = tokenizer.pad({"input_ids": rows}, return_tensors="pt", padding_side="left")
+    return {key: value.to(device) for key, value in padded.items()}
 
 
 @dataclass

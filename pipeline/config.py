@@ -151,6 +151,12 @@ class EvidenceConfig:
                   "1.7% there, a floor that cannot show forgetting; numbers up to 30 give the base 25.7% (n=300)."},
     )
     drift_n: int = field(default=200, metadata={"help": "Test prompts on which KL(tuned ‖ base) is measured."})
+    general_path: str | None = field(
+        default=None,
+        metadata={"help": "A JSONL file of 'question'/'answer' objects outside the task (GSM8K's test.jsonl, say) for "
+                  "two more drift measures on its first drift_n lines: KL(tuned ‖ base) on the base's greedy answers "
+                  "to the questions, and the loss of the answers read as plain text. null skips both."},
+    )
 
     def __post_init__(self) -> None:
         problems = []

@@ -25,13 +25,9 @@ import random
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from redumix.data.chat import prompt_ids
-from redumix.data.prompts import attempt_messages
 from redumix.embedded.stage import ensure_base
-from redumix.generate.model_io import load_model
 from redumix.pipeline.config import Config
+from redumix.pipeline.drift import drift_measures, greedy_answers, read_general_set
 from redumix.pipeline.eval import run_eval
 from redumix.pipeline.evidence_arms import ARMS, HARVESTS
 from redumix.pipeline.harvest import run_harvest
@@ -40,8 +36,6 @@ from redumix.pipeline.report import mcnemar_exact_p, wilson_interval
 from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.run import RunDir, atomic_write_json, atomic_write_text, model_path, print0, read_json
 from redumix.pipeline.train import run_train
-from redumix.train.data import end_of_turn_ids
-from redumix.train.onpolicy import context_logits
 
 
 def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
@@ -106,46 +100,41 @@ def arm_config(config: Config, base: Path, harvest: Path, arm: str, seed: int, s
 def eval_greedy_and_drift(
     config: Config, here: RunDir, model: Path, checkpoint: str, base: Path | None = None
 ) -> None:
-    """Greedy on the test split and on the held-out variant, and (for a tuned model) its drift from the base."""
+    """Greedy on the test split and (on arith) on the held-out variant; for a tuned model, its drift from the base.
+    For the base itself, its greedy answers to the general set's questions, which every arm's off-task KL reads."""
     ev = config.evidence
     greedy_only = dataclasses.replace(config.eval, decoders=["greedy"], tuned_decoders=[], n=ev.n, n_other=ev.n,
                                       checkpoints=[checkpoint])
     run_eval(dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(model)),
                                  eval=greedy_only), here)
-    # The variant runs the model as its "base" checkpoint: model.path is the model measured.
-    arith = dataclasses.replace(config.task.arith, start_max=ev.variant_number_max, operand_max=ev.variant_number_max)
-    variant = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(model)),
-                                  task=dataclasses.replace(config.task, arith=arith),
-                                  eval=dataclasses.replace(greedy_only, checkpoints=["base"]))
-    run_eval(variant, RunDir(here.root / "variant"))
-    if base is not None and not (here.root / "drift.json").is_file():
+    if config.task.name == "arith":
+        # The variant runs the model as its "base" checkpoint: model.path is the model measured.
+        arith = dataclasses.replace(config.task.arith, start_max=ev.variant_number_max,
+                                    operand_max=ev.variant_number_max)
+        variant = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(model)),
+                                      task=dataclasses.replace(config.task, arith=arith),
+                                      eval=dataclasses.replace(greedy_only, checkpoints=["base"]))
+        run_eval(variant, RunDir(here.root / "variant"))
+    general = read_general_set(Path(ev.general_path), ev.drift_n) if ev.general_path else None
+    if base is None:
+        if general is not None and not (here.root / "general_answers.json").is_file():
+            answers = greedy_answers(config, model, general.questions)
+            atomic_write_json(here.root / "general_answers.json", {"questions": general.questions,
+                                                                    "answer_ids": answers})
+        return
+    drift = read_json(here.root / "drift.json") if (here.root / "drift.json").is_file() else {}
+    if "kl_tuned_base" not in drift or (general is not None and "kl_offtask" not in drift):
         records = greedy_records(here, checkpoint)[: ev.drift_n]
-        kl = drift_kl(config, model, base, records)
-        atomic_write_json(here.root / "drift.json", {"kl_tuned_base": kl, "prompts": len(records)})
+        answers = None
+        if general is not None:
+            saved = read_json(here.root.parents[1] / "base" / "general_answers.json")
+            answers = saved["answer_ids"]
+        atomic_write_json(here.root / "drift.json",
+                          drift_measures(config, model, base, records, general, answers))
 
 
 def greedy_records(here: RunDir, checkpoint: str) -> list[dict]:
     return read_records(records_path(here.eval / "generations", checkpoint, "greedy"))
-
-
-@torch.no_grad()
-def drift_kl(config: Config, tuned_path: Path, base_path: Path, records: list[dict], batch: int = 16) -> float:
-    """Mean per-token KL(tuned ‖ base) over the tuned model's own greedy answers (their end-of-turn included)."""
-    tuned, tokenizer = load_model(tuned_path, config.model)
-    base, _ = load_model(base_path, config.model)
-    end = end_of_turn_ids(tokenizer)
-    total, tokens = 0.0, 0
-    for start in range(0, len(records), batch):
-        chunk = records[start : start + batch]
-        xs = [prompt_ids(tokenizer, attempt_messages(r["prompt"])) for r in chunk]
-        ys = [tokenizer(r["output"], add_special_tokens=False)["input_ids"] + end for r in chunk]
-        on_tuned = context_logits(tuned, xs, ys, tokenizer.pad_token_id)
-        on_base = context_logits(base, xs, ys, tokenizer.pad_token_id)
-        for logits_t, logits_b in zip(on_tuned, on_base, strict=True):
-            log_t, log_b = torch.log_softmax(logits_t, -1), torch.log_softmax(logits_b, -1)
-            total += float((log_t.exp() * (log_t - log_b)).sum())
-            tokens += log_t.shape[0]
-    return total / max(tokens, 1)
 
 
 # --- the summary ------------------------------------------------------------------------------------------------
@@ -157,44 +146,55 @@ def _correct(records: list[dict]) -> dict[str, bool]:
 
 def summarize_evidence(config: Config, folder: Path, plan: list[tuple[str, int]]) -> dict[str, Any]:
     base = RunDir(folder / "base")
-    base_test = _correct(greedy_records(base, "base"))
-    base_variant = _correct(greedy_records(RunDir(base.root / "variant"), "base"))
+    parts = ["test", "variant"] if config.task.name == "arith" else ["test"]
+    base_parts = {"test": _correct(greedy_records(base, "base"))}
+    if "variant" in parts:
+        base_parts["variant"] = _correct(greedy_records(RunDir(base.root / "variant"), "base"))
     runs: dict[str, dict[int, dict[str, Any]]] = {}
+    base_text_nll = None
     for arm, seed in plan:
         here = arm_dir(folder, arm, seed)
         trained = read_json(here.train / "metrics.json")
+        drift = read_json(here.root / "drift.json")
         runs.setdefault(arm, {})[seed] = {
             "test": _correct(greedy_records(here, "tuned")),
-            "variant": _correct(greedy_records(RunDir(here.root / "variant"), "base")),
-            "drift_kl": read_json(here.root / "drift.json")["kl_tuned_base"],
+            "drift_kl": drift["kl_tuned_base"],
             "heldout_kl": trained["heldout_kl_merged"],
             "seconds_per_step": trained["seconds_per_step"],
             "steps": trained["steps"],
             "mean_tokens": _mean([r["tokens"] for r in greedy_records(here, "tuned")]),
         }
+        if "variant" in parts:
+            runs[arm][seed]["variant"] = _correct(greedy_records(RunDir(here.root / "variant"), "base"))
+        if "kl_offtask" in drift:
+            runs[arm][seed].update(offtask_kl=drift["kl_offtask"], text_nll=drift["text_nll"])
+            base_text_nll = drift["text_nll_base"]
     arms = {arm: arm_summary(seeds) for arm, seeds in runs.items()}
     reference = "mixture" if "mixture" in runs else next(iter(runs))
-    comparisons = {}
-    for arm in runs:
-        if arm == reference:
-            continue
-        comparisons[arm] = {
-            "test": paired_arms(runs[reference], runs[arm], "test"),
-            "variant": paired_arms(runs[reference], runs[arm], "variant"),
-        }
-    vs_base = {arm: {part: paired_arms({0: {part: theirs}}, seeds, part, shared_reference=True)
-                     for part, theirs in (("test", base_test), ("variant", base_variant))}
+    comparisons = {arm: {part: paired_arms(runs[reference], runs[arm], part) for part in parts}
+                   for arm in runs if arm != reference}
+    vs_base = {arm: {part: paired_arms({0: {part: base_parts[part]}}, seeds, part, shared_reference=True)
+                     for part in parts}
                for arm, seeds in runs.items()}
-    base_acc = _mean(list(base_test.values()))
+    base_acc = _mean(list(base_parts["test"].values()))
     gold_share = None
     if "gold" in arms and "mixture" in arms:
         gold_gain = arms["gold"]["test"]["mean"] - base_acc
         gold_share = (arms["mixture"]["test"]["mean"] - base_acc) / gold_gain if gold_gain > 0 else None
+    general = None
+    if base_text_nll is not None:
+        first = read_json(arm_dir(folder, *plan[0]).root / "drift.json")
+        general = {"path": config.evidence.general_path, "prompts": first["offtask_prompts"],
+                   "texts": first["texts"], "base_text_nll": base_text_nll}
     return {
+        "task": config.task.name,
         "n": config.evidence.n,
-        "variant_number_max": config.evidence.variant_number_max,
+        "parts": parts,
+        "variant_number_max": config.evidence.variant_number_max if "variant" in parts else None,
         "seeds": config.evidence.seeds,
-        "base": {"test": _accuracy(base_test), "variant": _accuracy(base_variant)},
+        "drift_n": config.evidence.drift_n,
+        "general": general,
+        "base": {part: _accuracy(correct) for part, correct in base_parts.items()},
         "arms": arms,
         "reference": reference,
         "vs_reference": comparisons,
@@ -222,9 +222,10 @@ def arm_summary(seeds: dict[int, dict[str, Any]]) -> dict[str, Any]:
     def per_seed(key: str) -> list[float]:
         return [s[key] if not isinstance(s[key], dict) else _mean(list(s[key].values())) for s in seeds.values()]
 
-    return {"seeds": list(seeds), **{key: spread(per_seed(key)) for key in (
-        "test", "variant", "drift_kl", "heldout_kl", "seconds_per_step", "mean_tokens")},
-        "steps": next(iter(seeds.values()))["steps"]}
+    keys = [key for key in ("test", "variant", "drift_kl", "offtask_kl", "text_nll", "heldout_kl",
+                            "seconds_per_step", "mean_tokens") if key in next(iter(seeds.values()))]
+    return {"seeds": list(seeds), **{key: spread(per_seed(key)) for key in keys},
+            "steps": next(iter(seeds.values()))["steps"]}
 
 
 def paired_arms(
@@ -250,32 +251,47 @@ def paired_arms(
 def evidence_markdown(summary: dict[str, Any]) -> str:
     ref = summary["reference"]
     base = summary["base"]
+    parts = summary["parts"]
+    general = summary.get("general")
+    where = (f"on {summary['n']} held-out test problems and on a task variant no arm trains on (numbers up to "
+             f"{summary['variant_number_max']})" if "variant" in parts else f"on {summary['n']} held-out test prompts")
     lines = [
         "# Evidence: what the distillation target buys", "",
-        f"Greedy accuracy on {summary['n']} held-out test problems and on a task variant no arm trains on "
-        f"(numbers up to {summary['variant_number_max']}). Mean over seeds [min–max]; seeds: main arms "
-        f"{summary['seeds']}, others the first. Paired changes: each seed against the same seed of `{ref}`, on the "
-        "same problems, with a 95% paired bootstrap interval over problems and McNemar's exact p on the pooled "
-        "discordant pairs.", "",
-        f"Base: test {base['test']['accuracy']:.1%} [{base['test']['ci_low']:.1%}–{base['test']['ci_high']:.1%}], "
-        f"variant {base['variant']['accuracy']:.1%} [{base['variant']['ci_low']:.1%}–{base['variant']['ci_high']:.1%}]"
-        f" (n={base['test']['n']}).", "",
-        "| arm | seeds | test accuracy | vs base (test) | variant accuracy | vs base (variant) | KL(tuned ‖ base) | "
-        "held-out KL to p_mix | s/step |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"Greedy accuracy {where}. Mean over seeds [min–max]; seeds: main arms {summary['seeds']}, others the first. "
+        f"Paired changes: each seed against the same seed of `{ref}`, on the same problems, with a 95% paired "
+        "bootstrap interval over problems and McNemar's exact p on the pooled discordant pairs.", "",
+        "Drift from the base, per token: KL(tuned ‖ base) on the task (the tuned model's own greedy answers to "
+        f"{summary['drift_n']} test prompts)" + (
+            f"; KL(tuned ‖ base) off the task (the base's greedy answers to {general['prompts']} questions of "
+            f"`{general['path']}`, the same tokens for every arm); and the loss (NLL per token) of {general['texts']} "
+            f"reference texts of that file read as plain text, where the base's is {general['base_text_nll']:.4f}"
+            if general else "") + ".", "",
+        "Base: " + ", ".join(f"{part} {base[part]['accuracy']:.1%} [{base[part]['ci_low']:.1%}–"
+                             f"{base[part]['ci_high']:.1%}]" for part in parts) + f" (n={base['test']['n']}).", "",
     ]
+    header = ["arm", "seeds", "test accuracy", "vs base (test)"]
+    if "variant" in parts:
+        header += ["variant accuracy", "vs base (variant)"]
+    header += ["KL(tuned ‖ base), task"]
+    if general:
+        header += ["KL(tuned ‖ base), off task", "text NLL"]
+    header += ["held-out KL to p_mix", "s/step"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for arm, a in summary["arms"].items():
         vb = summary["vs_base"][arm]
-        lines.append(
-            f"| {arm} | {len(a['seeds'])} | {_pct(a['test'])} | {_change(vb['test'])} | {_pct(a['variant'])} | "
-            f"{_change(vb['variant'])} | {_num(a['drift_kl'])} | {_num(a['heldout_kl'])} | "
-            f"{a['seconds_per_step']['mean']:.3f} |"
-        )
+        cells = [arm, str(len(a["seeds"])), _pct(a["test"]), _change(vb["test"])]
+        if "variant" in parts:
+            cells += [_pct(a["variant"]), _change(vb["variant"])]
+        cells += [_num(a["drift_kl"])]
+        if general:
+            cells += [_num(a["offtask_kl"]), _num(a["text_nll"])]
+        cells += [_num(a["heldout_kl"]), f"{a['seconds_per_step']['mean']:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"## Paired against `{ref}`", "",
-              "| arm | test: change [95% CI] (gained / lost, p) | variant: change [95% CI] (gained / lost, p) |",
-              "|---|---|---|"]
+              "| arm | " + " | ".join(f"{part}: change [95% CI] (gained / lost, p)" for part in parts) + " |",
+              "|---|" + "---|" * len(parts)]
     for arm, c in summary["vs_reference"].items():
-        lines.append(f"| {arm} | {_change(c['test'])} | {_change(c['variant'])} |")
+        lines.append(f"| {arm} | " + " | ".join(_change(c[part]) for part in parts) + " |")
     share = summary["mixture_share_of_gold_gain"]
     if share is not None:
         lines += ["", f"The mixture arm reaches **{share:.0%}** of the gold-SFT arm's gain over the base (test, mean "
@@ -307,8 +323,11 @@ def plot_evidence(summary: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     arms = list(summary["arms"])
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
-    for ax, part, title in ((axes[0], "test", "held-out test"), (axes[1], "variant", "held-out variant")):
+    parts = summary.get("parts", ["test", "variant"])
+    fig, axes = plt.subplots(1, len(parts), figsize=(5.5 * len(parts), 4.6), squeeze=False)
+    titles = {"test": "held-out test", "variant": "held-out variant"}
+    for ax, part in zip(axes[0], parts, strict=True):
+        title = titles[part]
         means = [100 * summary["arms"][a][part]["mean"] for a in arms]
         low = [m - 100 * summary["arms"][a][part]["min"] for a, m in zip(arms, means, strict=True)]
         high = [100 * summary["arms"][a][part]["max"] - m for a, m in zip(arms, means, strict=True)]

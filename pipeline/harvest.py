@@ -37,6 +37,7 @@ from redumix.generate.model_io import load_model, stop_token_ids
 from redumix.generate.redumix import FeedbackFn, RedumixResult, redumix_generate, task_feedback
 from redumix.pipeline.config import Config
 from redumix.pipeline.preflight import check_inputs
+from redumix.pipeline.report import newcombe_paired_interval
 from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.run import (
     RunDir,
@@ -376,6 +377,9 @@ def harvest_manifest(config: Config, out: Path, n_shards: int, fingerprint: str)
         "redo_accuracy": redo_right / max(graded, 1),
         "fixed": fixed,
         "broken": broken,
+        # redo − original on the same rows, with the 95% Newcombe interval for paired proportions
+        "change_interval": list(newcombe_paired_interval(redo_right - fixed, fixed, broken,
+                                                         graded - redo_right - broken)),
         "lam": config.redumix.lam,
         "feedback": config.redumix.feedback,
         "redo_tokens": redo_tokens,
@@ -387,8 +391,13 @@ def harvest_manifest(config: Config, out: Path, n_shards: int, fingerprint: str)
 
 
 def format_summary(m: dict) -> str:
-    return (
+    line = (
         f"harvest: {m['rows']} rows in {len(m['shards'])} shards ({m['shard_bytes'] / 1e6:.1f} MB). "
         f"original accuracy {m['original_accuracy']:.1%} -> redo accuracy {m['redo_accuracy']:.1%} "
-        f"(λ={m['lam']}, {m['feedback']} feedback; fixed {m['fixed']}, broke {m['broken']}, n={m['graded']})"
+        f"(λ={m['lam']}, {m['feedback']} feedback; fixed {m['fixed']}, broke {m['broken']}, n={m['graded']}"
     )
+    if m.get("change_interval"):  # manifests written before it was recorded have none
+        low, high = m["change_interval"]
+        line += (f"; change {100 * (m['redo_accuracy'] - m['original_accuracy']):+.1f} points, 95% paired interval "
+                 f"[{100 * low:+.1f}, {100 * high:+.1f}]")
+    return line + ")"

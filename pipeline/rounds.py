@@ -23,8 +23,8 @@ from typing import Any
 from redumix.embedded.stage import ensure_base
 from redumix.pipeline.config import Config
 from redumix.pipeline.decoders import check_decoder_names
+from redumix.pipeline.drift import drift_kl
 from redumix.pipeline.eval import run_eval
-from redumix.pipeline.evidence import drift_kl
 from redumix.pipeline.harvest import run_harvest
 from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.report import paired_with_greedy, summarize

@@ -3,6 +3,7 @@ the test split, the held-out variant and its drift, and the summary's paired tes
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -22,7 +23,11 @@ ARMS = ["evidence.main_arms=[mixture, gold, redo]", "evidence.other_arms=[lambda
 
 
 def test_every_arm_trains_the_same_steps_is_measured_and_summarised(tmp_path, tiny_model_dir, capsys):
-    config = load_config(ROOT / "recipes" / "tiny.yaml", [f"model.path={tiny_model_dir}", *SMALL, *ARMS])
+    general = tmp_path / "general.jsonl"
+    general.write_text("".join(json.dumps({"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}"})
+                               + "\n" for i in range(5)))
+    config = load_config(ROOT / "recipes" / "tiny.yaml", [f"model.path={tiny_model_dir}", *SMALL, *ARMS,
+                                                          f"evidence.general_path={general}"])
     run = RunDir(tmp_path / "run")
     summary = run_evidence(config, run)
     folder = run.root / "evidence"
@@ -44,7 +49,12 @@ def test_every_arm_trains_the_same_steps_is_measured_and_summarised(tmp_path, ti
     numbers = [int(n) for r in variant for n in re.findall(r"\d+", r["prompt"])]
     assert len(variant) == 4 and max(numbers) > 20
     for arm in summary["arms"].values():
-        assert arm["drift_kl"]["min"] >= 0
+        assert arm["drift_kl"]["min"] >= 0 and arm["offtask_kl"]["min"] >= 0 and arm["text_nll"]["min"] > 0
+    # Off the task, every arm is measured on the base's own answers to the first drift_n questions.
+    answers = json.loads((folder / "base" / "general_answers.json").read_text())
+    assert len(answers["questions"]) == len(answers["answer_ids"]) == 3
+    assert summary["general"]["prompts"] == summary["general"]["texts"] == 3
+    assert "KL(tuned ‖ base), off task" in evidence_markdown(summary)
     assert (folder / "evidence.md").read_text() == evidence_markdown(summary)
     assert (folder / "evidence.png").stat().st_size > 0
 

@@ -13,6 +13,7 @@ from redumix.data.shards import iter_rows, shard_paths
 from redumix.pipeline.cli import main
 from redumix.pipeline.config import load_config
 from redumix.pipeline.harvest import run_harvest
+from redumix.pipeline.report import newcombe_paired_interval
 from redumix.pipeline.run import RunDir
 from tests.conftest import kill_when, one_thread
 
@@ -60,6 +61,15 @@ def test_shards_hold_the_design_columns_and_a_valid_mixture(tmp_path, model_dir)
         assert row["lam"] == 0.5
     manifest = json.loads((tmp_path / "harvest" / "manifest.json").read_text())
     assert manifest["rows"] == 8 and len(manifest["shards"]) == 4
+    # The redo's change from the first attempt, and its paired interval, are the rows' own counts.
+    right = {key: sum(bool(r[key]) for r in rows) for key in ("original_correct", "redo_correct")}
+    fixed = sum(bool(r["redo_correct"] and not r["original_correct"]) for r in rows)
+    broken = sum(bool(r["original_correct"] and not r["redo_correct"]) for r in rows)
+    assert (manifest["fixed"], manifest["broken"]) == (fixed, broken)
+    assert manifest["redo_accuracy"] - manifest["original_accuracy"] == pytest.approx(
+        (right["redo_correct"] - right["original_correct"]) / 8)
+    assert manifest["change_interval"] == list(newcombe_paired_interval(right["redo_correct"] - fixed, fixed, broken,
+                                                                        8 - right["redo_correct"] - broken))
 
 
 def test_complete_harvest_is_skipped_and_another_config_is_refused(tmp_path, model_dir, capsys):

@@ -1,0 +1,292 @@
+"""`make gpu-check`: the GPU path, checked where it runs, printed as one table.
+
+On a CUDA machine every check runs on `cuda`, in bfloat16 where the recipes run and in float32 where ids must match,
+against the same code on the CPU in float32:
+
+  decoders     each eval decoder on the shipped tiny base: its ids on the device against the CPU's. In float32 they
+               must be equal; in bfloat16 a near tie may flip, so the share that matches is reported
+  harvest      the harvest's call (`redumix_generate`): redo ids, and the stored p_mix top-k log-probs on the tokens
+               both sides share, which must agree within bfloat16's tolerance (median |Δ| <= BF16_TOLERANCE nats)
+  cfg          the ReDuMix redo against transformers' CFG (`guidance_scale=λ, negative_prompt_ids=x2`) on the
+               device, given our x2: equal ids in float32
+  lora step    the pipeline's own harvest and train stages on the device (LoRA, 2 steps): finite losses
+  throughput   harvest examples/s and peak memory, ours against the `generate` loop a user writes, on SmolLM2-135M
+               (its real weights when `make smollm2` has run) and a Qwen2.5-1.5B-shaped model with random weights
+  compile      our harvest with `model.compile_decoding` off and on
+
+Without CUDA it runs a smoke version on the CPU (`--smoke`, the default there): bfloat16 against float32 on the CPU,
+the embedded shape for the throughput rows, a few tokens a stage. The same code paths run, so CI finds a break
+before a GPU session does; the smoke's timings are not measurements of anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench.bench_decode import timed
+from bench.harvest_vs_hf import Redo, Stages, decodable_only, hf_harvest, hf_redo, ours_harvest
+from bench.models import embedded_model, embedded_tokenizer, seeded_model, smollm2_shape_model
+from redumix.data.tasks import make_task
+from redumix.generate.model_io import ModelConfig, load_model
+from redumix.generate.state import use_compiled_decoding
+from redumix.pipeline.config import load_config
+from redumix.pipeline.decoders import make_decoder
+from redumix.pipeline.harvest import run_harvest
+from redumix.pipeline.run import RunDir, read_json
+from redumix.pipeline.train import run_train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_BASE = ROOT / "models" / "tiny-base"
+SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"
+DECODERS = ["greedy", "redumix-oracle", "redumix-self", "moi", "pdr", "sr", "reflective"]
+# bfloat16 keeps 8 bits of mantissa (a relative step of 2^-8); a log-prob near −1 that has been through a few layers
+# of it moves by a few hundredths of a nat. The median over shared tokens must stay within this.
+BF16_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class Size:
+    examples: int  # problems per check
+    tokens: int  # new tokens a stage (attempt, reflection, redo)
+    repeats: int  # timed pairs per throughput row
+    batch: int
+
+
+FULL = Size(examples=64, tokens=64, repeats=3, batch=16)
+SMOKE = Size(examples=4, tokens=6, repeats=1, batch=4)
+
+
+@dataclass
+class Row:
+    check: str
+    model: str
+    setting: str
+    result: str
+    ok: bool | None  # None: a measurement, with nothing to pass or fail
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def compare_ids(ours: list[list[int]], reference: list[list[int]]) -> tuple[int, str]:
+    """How many rows are equal, and where the others first differ."""
+    equal = sum(a == b for a, b in zip(ours, reference, strict=True))
+    differ = [first_difference(a, b) for a, b in zip(ours, reference, strict=True) if a != b]
+    where = f"; the others first differ at token {statistics.median(differ):g} (median)" if differ else ""
+    return equal, f"ids equal on {equal}/{len(reference)}{where}"
+
+
+def logprob_gaps(ours: list[Redo], reference: list[Redo], floor: float = -10.0) -> list[float]:
+    """|Δ| of p_mix's log-prob for every token in both top-k lists above `floor` (in the reference), at each redo
+    position both sides reached alike (the shared prefix): the whole stored target, not only its near-certain top-1."""
+    gaps = []
+    for a, b in zip(ours, reference, strict=True):
+        for t in range(first_difference(a.token_ids, b.token_ids)):
+            theirs = dict(zip(b.topk_ids[t], b.topk_logprobs[t], strict=True))
+            gaps += [abs(lp - theirs[i]) for i, lp in zip(a.topk_ids[t], a.topk_logprobs[t], strict=True)
+                     if i in theirs and theirs[i] > floor]
+    return gaps
+
+
+def decoder_ids(model, tokenizer, config, task, examples) -> dict[str, list[list[int]]]:
+    found = {}
+    with torch.no_grad():
+        for name in DECODERS:
+            decoded = make_decoder(config, name, {})(model, tokenizer, examples, task)
+            found[name] = [d.token_ids for d in decoded]
+    return found
+
+
+def check_decoders(device: str, size: Size) -> list[Row]:
+    config = load_config(ROOT / "recipes" / "tiny.yaml", [f"sampling.max_new_tokens={4 * size.tokens}"])
+    task = make_task(config.task, config.seed)
+    examples = task.examples("test", size.examples)
+    reference_model, tokenizer = load_model(TINY_BASE, ModelConfig(device="cpu", dtype="float32"))
+    reference = decoder_ids(reference_model, tokenizer, config, task, examples)
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        model, _ = load_model(TINY_BASE, ModelConfig(device=device, dtype=dtype))
+        found = decoder_ids(model, tokenizer, config, task, examples)
+        for name in DECODERS:
+            equal, result = compare_ids(found[name], reference[name])
+            rows.append(Row(f"decoder {name}", "tiny-base", f"{device} {dtype} vs cpu float32", result,
+                            equal == len(examples) if dtype == "float32" else None))
+    return rows
+
+
+def check_harvest_and_cfg(device: str, size: Size) -> list[Row]:
+    tokenizer = embedded_tokenizer()
+    prompts = [e.prompt for e in make_task(load_config(ROOT / "recipes" / "tiny.yaml").task, 0).examples(
+        "test", size.examples)]
+    stages = Stages(size.tokens * 4, size.tokens * 4)
+    reference_model, _ = load_model(TINY_BASE, ModelConfig(device="cpu", dtype="float32"))
+    with torch.no_grad():
+        reference = ours_harvest(reference_model, tokenizer, prompts, stages)
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        model, _ = load_model(TINY_BASE, ModelConfig(device=device, dtype=dtype))
+        with torch.no_grad():
+            ours = ours_harvest(model, tokenizer, prompts, stages)
+            theirs = hf_redo(model, tokenizer, prompts, [r.x2 for r in ours], stages.answer)
+        equal, result = compare_ids([r.token_ids for r in ours], [r.token_ids for r in reference])
+        gaps = logprob_gaps(ours, reference)
+        median_gap = statistics.median(gaps) if gaps else math.nan
+        result += (f"; p_mix top-k log-prob |Δ| median {median_gap:.4f}, max {max(gaps, default=math.nan):.4f} nats "
+                   f"over {len(gaps)} entries")
+        ok = equal == len(prompts) if dtype == "float32" else median_gap <= BF16_TOLERANCE
+        rows.append(Row("harvest (redumix_generate)", "tiny-base", f"{device} {dtype} vs cpu float32", result, ok))
+        cfg_equal, cfg_result = compare_ids([r.token_ids for r in theirs], [r.token_ids for r in ours])
+        rows.append(Row("ReDuMix redo vs transformers CFG", "tiny-base", f"{device} {dtype}, our x2 given",
+                        cfg_result, cfg_equal == len(prompts) if dtype == "float32" else None))
+    return rows
+
+
+def check_lora_step(device: str, size: Size) -> list[Row]:
+    on_gpu = device.startswith("cuda")
+    # 32 rows leave the train stage a held-out slice to score its KL on.
+    overrides = [f"model.path={TINY_BASE}", f"model.device={device}", "harvest.n=32",
+                 f"harvest.batch_size={size.batch}", f"harvest.shard_rows={size.batch}", "train.adapter=lora",
+                 "train.max_steps=2", "train.batch_size=2", "train.skill_rows=false", "train.replay=0",
+                 f"train.bf16={str(on_gpu).lower()}", "train.save_steps=2"]
+    config = load_config(ROOT / "recipes" / "tiny.yaml", overrides)
+    with tempfile.TemporaryDirectory() as folder:
+        run = RunDir(Path(folder))
+        run_harvest(config, run)
+        run_train(config, run)
+        metrics = read_json(run.train / "metrics.json")
+    finite = all(math.isfinite(metrics[k]) for k in ("final_loss", "heldout_kl_base", "heldout_kl_merged"))
+    finite = finite and metrics["heldout_tokens"] > 0
+    result = (f"{metrics['steps']} steps, {metrics['seconds_per_step']:.3f} s/step, loss {metrics['final_loss']:.4f}, "
+              f"held-out KL {metrics['heldout_kl_base']:.4f} -> {metrics['heldout_kl_merged']:.4f}")
+    setting = f"{device}, bf16 autocast {'on' if on_gpu else 'off'}"
+    return [Row("LoRA train step (harvest + train stages)", "tiny-base", setting, result,
+                finite and metrics["steps"] == 2)]
+
+
+def peak_memory_gib(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+
+
+def harvest_rate(model, tokenizer, harvest, prompts: list[str], stages: Stages, size: Size, device: str):
+    """(seconds per pass over `prompts` in batches of size.batch, peak memory in GiB or None)."""
+    parts = [prompts[start : start + size.batch] for start in range(0, len(prompts), size.batch)]
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+    def one_pass() -> None:
+        with decodable_only(model, len(tokenizer)), torch.no_grad():
+            for part in parts:
+                harvest(model, tokenizer, part, stages)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    return timed(one_pass, min_seconds=0.0), peak_memory_gib(device)
+
+
+def throughput_models(device: str, smoke: bool):
+    """(label, model, tokenizer) of each throughput row, built on the device in the dtype it runs in."""
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    tokenizer = embedded_tokenizer()
+    if smoke:
+        yield "embedded shape (random)", embedded_model(tokenizer).to(device, dtype), tokenizer
+        return
+    if (SMOLLM2 / "config.json").is_file():
+        model, smol_tokenizer = load_model(SMOLLM2, ModelConfig(device=device, dtype="bfloat16"))
+        yield "SmolLM2-135M-Instruct", model, smol_tokenizer
+    else:
+        yield "SmolLM2-135M shape (random)", smollm2_shape_model().to(device, dtype), tokenizer
+    qwen = seeded_model("qwen2", 0, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                        num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                        max_position_embeddings=32768, rope_theta=1000000.0, pad_token_id=0, eos_token_id=1)
+    yield "Qwen2.5-1.5B shape (random)", qwen.to(device, dtype).eval(), tokenizer
+
+
+def check_throughput(device: str, size: Size, smoke: bool) -> list[Row]:
+    prompts = [e.prompt for e in make_task(load_config(ROOT / "recipes" / "tiny.yaml").task, 0).examples(
+        "test", size.examples)]
+    stages = Stages(size.tokens, size.tokens)
+    dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    rows = []
+    for index, (label, model, tokenizer) in enumerate(throughput_models(device, smoke)):
+        for harvest in (hf_harvest, ours_harvest):  # warm-up
+            with decodable_only(model, len(tokenizer)), torch.no_grad():
+                harvest(model, tokenizer, prompts[: size.batch], Stages(2, 2))
+        seconds: dict[str, list[float]] = {"ours": [], "theirs": []}
+        memory: dict[str, float | None] = {}
+        for _ in range(size.repeats):
+            for side, harvest in (("theirs", hf_harvest), ("ours", ours_harvest)):
+                taken, memory[side] = harvest_rate(model, tokenizer, harvest, prompts, stages, size, device)
+                seconds[side].append(taken)
+        rate = {side: len(prompts) / statistics.median(found) for side, found in seconds.items()}
+        result = (f"ours {rate['ours']:.2f} ex/s, the generate loop {rate['theirs']:.2f} ex/s "
+                  f"(x{rate['ours'] / rate['theirs']:.2f})")
+        if memory["ours"] is not None:
+            result += f"; peak memory ours {memory['ours']:.2f} GiB, theirs {memory['theirs']:.2f} GiB"
+        rows.append(Row("harvest throughput", label, f"{device} {dtype}, batch {size.batch}, {size.tokens} tokens a "
+                        f"stage, {len(prompts)} examples", result, None))
+        if index == 0:  # the smallest model, where a step is bound by its calls and compiling can pay
+            rows.append(check_compile(model, tokenizer, prompts, stages, size, device, label, dtype))
+        del model
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows
+
+
+def check_compile(model, tokenizer, prompts, stages: Stages, size: Size, device: str, label: str, dtype: str) -> Row:
+    """Our harvest eager, then with its one-token steps compiled (the compile itself excluded), on the same model."""
+    eager, _ = harvest_rate(model, tokenizer, ours_harvest, prompts, stages, size, device)
+    use_compiled_decoding(model)
+    with decodable_only(model, len(tokenizer)), torch.no_grad():  # the one-off compile
+        for batch in (1, size.batch):
+            ours_harvest(model, tokenizer, prompts[:batch], Stages(2, 2))
+    compiled = statistics.median(harvest_rate(model, tokenizer, ours_harvest, prompts, stages, size, device)[0]
+                                 for _ in range(size.repeats))
+    result = (f"eager {len(prompts) / eager:.2f} ex/s, compiled {len(prompts) / compiled:.2f} ex/s "
+              f"(x{eager / compiled:.2f})")
+    return Row("compile_decoding off -> on", label, f"{device} {dtype}, batch {size.batch}", result, None)
+
+
+def table(rows: list[Row]) -> str:
+    verdict = {True: "ok", False: "FAILED", None: "–"}
+    lines = ["| check | model | setting | result | verdict |", "|---|---|---|---|---|"]
+    lines += [f"| {r.check} | {r.model} | {r.setting} | {r.result} | {verdict[r.ok]} |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--smoke", action=argparse.BooleanOptionalAction, default=None,
+                        help="the short CPU version (the default without CUDA)")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args(argv)
+    smoke = args.smoke if args.smoke is not None else not args.device.startswith("cuda")
+    size = SMOKE if smoke else FULL
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    print(f"gpu-check on {args.device} ({where}), {'smoke' if smoke else 'full'} sizes", flush=True)
+    rows = []
+    for check in (check_decoders, check_harvest_and_cfg, check_lora_step):
+        rows += check(args.device, size)
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    rows += check_throughput(args.device, size, smoke)
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=1))
+    failed = [r.check for r in rows if r.ok is False]
+    if failed:
+        raise SystemExit(f"gpu-check: {len(failed)} checks failed: {', '.join(failed)}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

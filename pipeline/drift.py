@@ -1,0 +1,140 @@
+"""How far a tuned model has moved from its base: the seed's stability claim, measured on the model rather than on
+its targets. Three measures, each per token:
+
+- on the task: KL(tuned ‖ base) over the tuned model's own greedy answers to the task's test prompts;
+- outside the task: KL(tuned ‖ base) over the base's greedy answers to plain questions from a JSONL file (GSM8K's
+  `question`s, say), the same tokens for every model compared, so that models are paired token by token;
+- general text: the mean negative log-likelihood of reference texts from the same file (its `answer`s), read as
+  plain text with no chat template.
+
+A regulariser should drift less on all three. `redumix evidence` and `redumix rounds` call these.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from redumix.data.chat import prompt_ids
+from redumix.data.jsonl import jsonl_objects
+from redumix.data.prompts import attempt_messages
+from redumix.generate.model_io import load_model, stop_token_ids
+from redumix.generate.plain import generate_batch
+from redumix.generate.policy import SamplingPolicy
+from redumix.pipeline.config import Config
+from redumix.train.data import end_of_turn_ids
+from redumix.train.onpolicy import context_logits
+
+
+@dataclass(frozen=True)
+class GeneralSet:
+    """Plain questions and reference texts outside the task, read from one JSONL file."""
+
+    questions: list[str]
+    texts: list[str]
+
+
+def read_general_set(path: Path, n: int) -> GeneralSet:
+    """The first `n` lines of a JSONL file of `question` and `answer` strings (GSM8K's layout)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"evidence.general_path: {path} is not a file; point it at a JSONL file of "
+                                "'question'/'answer' objects (../shared/data/gsm8k/test.jsonl, say) or set it to null")
+    questions, texts = [], []
+    for line_no, row in jsonl_objects(path):
+        if not (isinstance(row, dict) and isinstance(row.get("question"), str) and isinstance(row.get("answer"), str)
+                and row["question"].strip() and row["answer"].strip()):
+            raise ValueError(f"{path}:{line_no}: expected an object with non-empty 'question' and 'answer' strings; "
+                             "fix or remove that line")
+        questions.append(row["question"].strip())
+        texts.append(row["answer"].strip())
+        if len(questions) == n:
+            break
+    if not questions:
+        raise ValueError(f"{path}: no JSON lines; evidence.general_path needs 'question'/'answer' objects")
+    return GeneralSet(questions, texts)
+
+
+def task_answers(tokenizer, records: list[dict]) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompt ids and answer ids (end of turn included) of eval records: a model's greedy answers to the task."""
+    end = end_of_turn_ids(tokenizer)
+    xs = [prompt_ids(tokenizer, attempt_messages(r["prompt"])) for r in records]
+    ys = [tokenizer(r["output"], add_special_tokens=False)["input_ids"] + end for r in records]
+    return xs, ys
+
+
+@torch.no_grad()
+def greedy_answers(config: Config, model_path: Path, questions: Sequence[str], batch: int = 16) -> list[list[int]]:
+    """The model's greedy answer ids to each question asked as a chat turn (the stop token kept when it stopped)."""
+    model, tokenizer = load_model(model_path, config.model)
+    policy = SamplingPolicy(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=config.sampling.max_new_tokens)
+    stops = stop_token_ids(model, tokenizer)
+    answers = []
+    for start in tqdm(range(0, len(questions), batch), desc="drift: the base's answers off the task", unit="batch"):
+        prompts = [prompt_ids(tokenizer, attempt_messages(q)) for q in questions[start : start + batch]]
+        gens = generate_batch(model, prompts, policy, [0] * len(prompts), stops, tokenizer.pad_token_id)
+        answers += [g.token_ids for g in gens]
+    return answers
+
+
+@torch.no_grad()
+def kl_per_token(tuned, base, xs: list[list[int]], ys: list[list[int]], pad_id: int, batch: int = 16) -> float:
+    """Mean per-token KL(tuned ‖ base) over the continuations ys after the prompts xs (rows with no tokens skipped)."""
+    total, tokens = 0.0, 0
+    pairs = [(x, y) for x, y in zip(xs, ys, strict=True) if y]
+    for start in range(0, len(pairs), batch):
+        chunk_x, chunk_y = zip(*pairs[start : start + batch], strict=True)
+        on_tuned = context_logits(tuned, list(chunk_x), list(chunk_y), pad_id)
+        on_base = context_logits(base, list(chunk_x), list(chunk_y), pad_id)
+        for logits_t, logits_b in zip(on_tuned, on_base, strict=True):
+            log_t, log_b = torch.log_softmax(logits_t, -1), torch.log_softmax(logits_b, -1)
+            total += float((log_t.exp() * (log_t - log_b)).sum())
+            tokens += log_t.shape[0]
+    return total / tokens if tokens else math.nan
+
+
+@torch.no_grad()
+def text_nll(model, tokenizer, texts: Sequence[str], batch: int = 16) -> float:
+    """Mean negative log-likelihood per token of plain texts (each token after the first, given the ones before)."""
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    ids = [i for i in ids if len(i) > 1]
+    total, tokens = 0.0, 0
+    for start in range(0, len(ids), batch):
+        chunk = ids[start : start + batch]
+        logits = context_logits(model, [i[:1] for i in chunk], [i[1:] for i in chunk], tokenizer.pad_token_id)
+        for row_logits, row in zip(logits, chunk, strict=True):
+            target = torch.as_tensor(row[1:], device=row_logits.device)
+            total -= float(torch.log_softmax(row_logits, -1).gather(1, target[:, None]).sum())
+            tokens += len(row) - 1
+    return total / tokens if tokens else math.nan
+
+
+def drift_measures(
+    config: Config, tuned_path: Path, base_path: Path, task_records: list[dict],
+    general: GeneralSet | None = None, general_answers: list[list[int]] | None = None,
+) -> dict[str, float | int]:
+    """Every drift measure of a tuned model from its base: on the task (its own greedy answers in `task_records`)
+    and, with a general set and the base's answers to its questions, outside the task and on general text."""
+    tuned, tokenizer = load_model(tuned_path, config.model)
+    base, _ = load_model(base_path, config.model)
+    xs, ys = task_answers(tokenizer, task_records)
+    result: dict[str, float | int] = {"kl_tuned_base": kl_per_token(tuned, base, xs, ys, tokenizer.pad_token_id),
+                                      "prompts": len(task_records)}
+    if general is not None and general_answers is not None:
+        questions = [prompt_ids(tokenizer, attempt_messages(q)) for q in general.questions]
+        result["kl_offtask"] = kl_per_token(tuned, base, questions, general_answers, tokenizer.pad_token_id)
+        result["offtask_prompts"] = len(questions)
+        result["text_nll"] = text_nll(tuned, tokenizer, general.texts)
+        result["text_nll_base"] = text_nll(base, tokenizer, general.texts)
+        result["texts"] = len(general.texts)
+    return result
+
+
+def drift_kl(config: Config, tuned_path: Path, base_path: Path, records: list[dict]) -> float:
+    """KL(tuned ‖ base) per token over the tuned model's own greedy answers in eval `records`."""
+    return float(drift_measures(config, tuned_path, base_path, records)["kl_tuned_base"])
