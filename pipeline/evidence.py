@@ -117,7 +117,7 @@ def eval_greedy_and_drift(
         run_eval(variant, RunDir(here.root / "variant"))
     general = read_general_set(Path(ev.general_path), ev.drift_n) if ev.general_path else None
     if base is None:
-        if general is not None and not (here.root / "general_answers.json").is_file():
+        if general is not None and saved_answers(here, general.questions) is None:
             answers = greedy_answers(config, model, general.questions)
             atomic_write_json(here.root / "general_answers.json", {"questions": general.questions,
                                                                     "answer_ids": answers})
@@ -125,12 +125,22 @@ def eval_greedy_and_drift(
     drift = read_json(here.root / "drift.json") if (here.root / "drift.json").is_file() else {}
     if "kl_tuned_base" not in drift or (general is not None and "kl_offtask" not in drift):
         records = greedy_records(here, checkpoint)[: ev.drift_n]
-        answers = None
-        if general is not None:
-            saved = read_json(here.root.parents[1] / "base" / "general_answers.json")
-            answers = saved["answer_ids"]
+        answers = None if general is None else saved_answers(RunDir(here.root.parents[1] / "base"),
+                                                             general.questions)
         atomic_write_json(here.root / "drift.json",
                           drift_measures(config, model, base, records, general, answers))
+
+
+def saved_answers(here: RunDir, questions: list[str]) -> list[list[int]] | None:
+    """The base's saved greedy answers to `questions`, or None when they were saved for other questions (a longer
+    list serves a shorter one: each answer depends on its own question only)."""
+    path = here.root / "general_answers.json"
+    if not path.is_file():
+        return None
+    saved = read_json(path)
+    if saved["questions"][: len(questions)] != questions:
+        return None
+    return saved["answer_ids"][: len(questions)]
 
 
 def greedy_records(here: RunDir, checkpoint: str) -> list[dict]:

@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from redumix.pipeline.config import load_config
-from redumix.pipeline.evidence import arm_dir, evidence_markdown, paired_arms, run_evidence
+from redumix.pipeline.evidence import arm_dir, evidence_markdown, paired_arms, run_evidence, saved_answers
 from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.resolve import ConfigError
-from redumix.pipeline.run import RunDir
+from redumix.pipeline.run import RunDir, atomic_write_json
 from tests.test_rounds import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +64,16 @@ def test_every_arm_trains_the_same_steps_is_measured_and_summarised(tmp_path, ti
     assert run_evidence(config, run) == summary
     assert "train: already complete" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in folder.rglob("*.safetensors")} == stamps
+
+
+def test_the_base_answers_saved_for_more_questions_serve_fewer_and_never_other_ones(tmp_path) -> None:
+    here = RunDir(tmp_path)
+    assert saved_answers(here, ["a"]) is None
+    atomic_write_json(tmp_path / "general_answers.json", {"questions": ["a", "b", "c"], "answer_ids": [[1], [2], [3]]})
+    assert saved_answers(here, ["a", "b"]) == [[1], [2]]
+    assert saved_answers(here, ["a", "b", "c"]) == [[1], [2], [3]]
+    assert saved_answers(here, ["a", "x"]) is None
+    assert saved_answers(here, ["a", "b", "c", "d"]) is None
 
 
 def test_paired_arms_counts_and_interval() -> None:
