@@ -161,7 +161,7 @@ def summarize_evidence(config: Config, folder: Path, plan: list[tuple[str, int]]
     if "variant" in parts:
         base_parts["variant"] = _correct(greedy_records(RunDir(base.root / "variant"), "base"))
     runs: dict[str, dict[int, dict[str, Any]]] = {}
-    base_text_nll = None
+    general = None
     for arm, seed in plan:
         here = arm_dir(folder, arm, seed)
         trained = read_json(here.train / "metrics.json")
@@ -178,7 +178,8 @@ def summarize_evidence(config: Config, folder: Path, plan: list[tuple[str, int]]
             runs[arm][seed]["variant"] = _correct(greedy_records(RunDir(here.root / "variant"), "base"))
         if "kl_offtask" in drift:
             runs[arm][seed].update(offtask_kl=drift["kl_offtask"], text_nll=drift["text_nll"])
-            base_text_nll = drift["text_nll_base"]
+            general = {"path": config.evidence.general_path, "prompts": drift["offtask_prompts"],
+                       "texts": drift["texts"], "base_text_nll": drift["text_nll_base"]}
     arms = {arm: arm_summary(seeds) for arm, seeds in runs.items()}
     reference = "mixture" if "mixture" in runs else next(iter(runs))
     comparisons = {arm: {part: paired_arms(runs[reference], runs[arm], part) for part in parts}
@@ -191,11 +192,6 @@ def summarize_evidence(config: Config, folder: Path, plan: list[tuple[str, int]]
     if "gold" in arms and "mixture" in arms:
         gold_gain = arms["gold"]["test"]["mean"] - base_acc
         gold_share = (arms["mixture"]["test"]["mean"] - base_acc) / gold_gain if gold_gain > 0 else None
-    general = None
-    if base_text_nll is not None:
-        first = read_json(arm_dir(folder, *plan[0]).root / "drift.json")
-        general = {"path": config.evidence.general_path, "prompts": first["offtask_prompts"],
-                   "texts": first["texts"], "base_text_nll": base_text_nll}
     return {
         "task": config.task.name,
         "n": config.evidence.n,
