@@ -26,7 +26,7 @@ from typing import Any
 from redumix.data.tasks import make_task
 from redumix.embedded.stage import ensure_base
 from redumix.pipeline.config import Config
-from redumix.pipeline.harvest import harvest_fingerprint
+from redumix.pipeline.harvest_folder import harvest_fingerprint
 from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.report import paired_with_greedy
 from redumix.pipeline.resolve import config_to_yaml

@@ -31,10 +31,10 @@ from redumix.generate.model_io import load_model
 from redumix.pipeline.config import Config
 from redumix.pipeline.decoders import DECODERS, DecoderEntry, check_decoder_names, make_decoder
 from redumix.pipeline.lineage import file_id, harvest_id, model_id
+from redumix.pipeline.plot import plot_accuracy_vs_fpe
 from redumix.pipeline.preflight import check_inputs
 from redumix.pipeline.records import make_record, model_identity, read_records, records_path, score_resumable
 from redumix.pipeline.report import (
-    plot_accuracy_vs_fpe,
     reflection_diagnostics,
     report_markdown,
     summarize,

@@ -32,9 +32,9 @@ from redumix.pipeline.eval import run_eval
 from redumix.pipeline.evidence_arms import ARMS, HARVESTS
 from redumix.pipeline.harvest import run_harvest
 from redumix.pipeline.records import read_records, records_path
-from redumix.pipeline.report import mcnemar_exact_p, wilson_interval
 from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.run import RunDir, atomic_write_json, atomic_write_text, model_path, print0, read_json
+from redumix.pipeline.stats import mcnemar_exact_p, wilson_interval
 from redumix.pipeline.train import run_train
 
 

@@ -27,7 +27,7 @@ from datasets import Dataset, Features, List, Value
 from redumix.data.prompts import attempt_messages, reflect_messages
 from redumix.data.shards import load_shards
 from redumix.pipeline.config import Config
-from redumix.pipeline.harvest import check_harvest
+from redumix.pipeline.harvest_folder import check_harvest
 from redumix.pipeline.lineage import changed_inputs, harvest_id
 from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.run import (

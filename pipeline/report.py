@@ -14,21 +14,9 @@ A task with named sub-scores (`constraints`: one per kind of constraint) gets ea
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
 from typing import Any
 
-from redumix.pipeline.run import atomic_write_bytes
-
-
-def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    denominator = 1 + z * z / n
-    center = (p + z * z / (2 * n)) / denominator
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
-    return max(0.0, center - half), min(1.0, center + half)
+from redumix.pipeline.stats import mcnemar_exact_p, newcombe_paired_interval, pareto_front, quantiles, wilson_interval
 
 
 def summarize(checkpoint: str, decoder: str, records: list[dict], greedy: list[dict] | None = None) -> dict[str, Any]:
@@ -155,89 +143,13 @@ def tuned_vs_base(
     return rows
 
 
-def newcombe_paired_interval(
-    both: int, fixed: int, broken: int, neither: int, z: float = 1.959964
-) -> tuple[float, float]:
-    """95% interval for a difference of paired proportions, decoder − greedy = (fixed − broken) / n, by Newcombe's
-    hybrid score method (Newcombe 1998, Stat. Med. 17:2635-2650, method 10; also called "square-and-add").
-
-    Each accuracy gets its Wilson interval; the distances from each estimate to its limits are combined as for a
-    difference, but with the correlation φ of the paired outcomes, which narrows the interval when the two
-    decoders mostly agree. Closed form, stays inside [-1, 1], and is sane with no discordant pairs, unlike Wald.
-    The table: `both` right, `fixed` (decoder right, greedy wrong), `broken` (greedy right, decoder wrong), `neither`.
-    """
-    n = both + fixed + broken + neither
-    if n == 0:
-        return -1.0, 1.0
-    p1, p2 = (both + fixed) / n, (both + broken) / n
-    l1, u1 = wilson_interval(both + fixed, n, z)
-    l2, u2 = wilson_interval(both + broken, n, z)
-    phi = _paired_phi(both, fixed, broken, neither)
-    # max(0, .): with φ close to 1 rounding can make the sum of squares a hair negative.
-    below = math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
-    above = math.sqrt(max(0.0, (u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2))
-    return max(-1.0, p1 - p2 - below), min(1.0, p1 - p2 + above)
-
-
-def _paired_phi(both: int, fixed: int, broken: int, neither: int) -> float:
-    """φ of the paired 2x2 table with Newcombe's correction: a positive ad − bc shrinks by n/2 (never below 0), so
-    a weak positive association does not narrow the interval; 0 when a margin is empty."""
-    n = both + fixed + broken + neither
-    margins = (both + fixed) * (broken + neither) * (both + broken) * (fixed + neither)
-    if margins == 0:
-        return 0.0
-    association = both * neither - fixed * broken
-    if association > 0:
-        association = max(0.0, association - n / 2)
-    return association / math.sqrt(margins)
-
-
-def mcnemar_exact_p(fixed: int, broken: int) -> float:
-    """Two-sided exact McNemar p-value: under no difference each discordant pair is a fair coin, so the smaller
-    count is Binomial(fixed + broken, 1/2); the p-value doubles its lower tail (capped at 1; 1 with no discordant
-    pairs). Exact integer arithmetic, so it holds for thousands of pairs."""
-    m = fixed + broken
-    if m == 0:
-        return 1.0
-    tail = sum(math.comb(m, k) for k in range(min(fixed, broken) + 1))
-    return min(1.0, 2 * tail / 2**m)
-
-
-# --- the Pareto front -----------------------------------------------------------------------------------------------
-
-
-def pareto_front(rows: list[dict]) -> list[dict]:
-    """The rows no other row of the same checkpoint dominates, in their input order.
-
-    One row dominates another when its accuracy is at least as high and its mean FPE at most as high, and it is
-    strictly better in one of them: a decoder that matches another's accuracy at more compute is off the front.
-    Rows tied on both stay on it together. Point estimates only: the intervals are in the tables.
-    """
-    rows = [r for r in rows if r["accuracy"] is not None]  # a row with no examples has no place on the front
-    return [r for r in rows if not any(_dominates(o, r) for o in rows if o["checkpoint"] == r["checkpoint"])]
-
-
-def _dominates(a: dict, b: dict) -> bool:
-    no_worse = a["accuracy"] >= b["accuracy"] and a["mean_fpe"] <= b["mean_fpe"]
-    return no_worse and (a["accuracy"] > b["accuracy"] or a["mean_fpe"] < b["mean_fpe"])
-
-
-def _quantiles(values: list[float]) -> dict[str, float | int]:
-    if not values:
-        return {"count": 0}
-    ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"count": len(ordered), "mean": sum(ordered) / len(ordered), "p10": pick(0.1), "p50": pick(0.5),
-            "p90": pick(0.9)}
-
-
 def reflection_diagnostics(records: list[dict]) -> dict | None:
     """Δ-uncertainty and Δ-NLL quantiles of a decoder that reflects (None for one that does not)."""
     if not records or not all("delta_uncertainty" in r["extra"] for r in records):
         return None
     du = [v for r in records for v in r["extra"]["delta_uncertainty"]]
     dn = [v for r in records for v in r["extra"]["delta_nll"]]
-    return {"delta_uncertainty": _quantiles(du), "delta_nll": _quantiles(dn)}
+    return {"delta_uncertainty": quantiles(du), "delta_nll": quantiles(dn)}
 
 
 def report_markdown(report: dict) -> str:
@@ -375,135 +287,3 @@ def _pareto_markdown(rows: list[dict]) -> list[str]:
         names = [r["decoder"] for r in sorted(front, key=lambda r: r["mean_fpe"]) if r["checkpoint"] == checkpoint]
         lines.append(f"- {checkpoint}: {', '.join(names)}")
     return lines
-
-
-def plot_accuracy_vs_fpe(rows: list[dict], path: Path) -> None:
-    """Accuracy (with its Wilson interval) against mean FPE, one colour per checkpoint; the decoders on the
-    checkpoint's Pareto front are filled and joined by a step line, the dominated ones hollow. Each point is
-    labelled with its decoder in its checkpoint's colour, placed where it covers no other label or point (with a
-    leader line when it had to move away); the caption gives n."""
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 6), dpi=120)
-    rows = [r for r in rows if r["accuracy"] is not None]
-    if not rows:
-        ax.text(0.5, 0.5, "no decoder scored an example", ha="center", va="center", transform=ax.transAxes)
-    colors = {}
-    for i, checkpoint in enumerate(dict.fromkeys(r["checkpoint"] for r in rows)):
-        colors[checkpoint] = f"C{i}"
-        points = [r for r in rows if r["checkpoint"] == checkpoint]
-        _plot_checkpoint(ax, points, checkpoint, color=colors[checkpoint], marker="osD^v"[i % 5])
-    ax.set_xscale("log")
-    ax.set_xlabel("mean forward-pass equivalents (FPE) per example, log scale")
-    ax.set_ylabel("accuracy (%), with its 95% Wilson interval")
-    ax.set_title("Accuracy against compute per decoder\nfilled and joined: each checkpoint's Pareto front; hollow: "
-                 "dominated", fontsize=11)
-    ax.grid(alpha=0.3)
-    if rows:
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-        fig.text(0.01, 0.01, n_caption(rows), fontsize=8, ha="left", va="bottom")
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    _label_points(fig, ax, rows, colors)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    atomic_write_bytes(path, buffer.getvalue())
-
-
-def n_caption(rows: list[dict]) -> str:
-    """"n = 1000 examples for greedy, 500 for each other decoder": the examples behind each point, grouped by
-    count, the commonest count last as "each other decoder"."""
-    by_n: dict[int, list[str]] = {}
-    for r in rows:
-        by_n.setdefault(r["n"], [])
-        if r["decoder"] not in by_n[r["n"]]:
-            by_n[r["n"]].append(r["decoder"])
-    if len(by_n) == 1:
-        return f"n = {next(iter(by_n))} examples per decoder and checkpoint"
-    commonest = max(by_n, key=lambda n: len(by_n[n]))
-    parts = [f"{n} for {', '.join(names)}" for n, names in by_n.items() if n != commonest]
-    return f"n = {'; '.join(parts)}; {commonest} for each other decoder (examples per checkpoint)"
-
-
-def _plot_checkpoint(ax: Any, points: list[dict], checkpoint: str, color: str, marker: str) -> None:
-    xs = [r["mean_fpe"] for r in points]
-    ys = [100 * r["accuracy"] for r in points]
-    below = [100 * (r["accuracy"] - r["ci_low"]) for r in points]
-    above = [100 * (r["ci_high"] - r["accuracy"]) for r in points]
-    ax.errorbar(xs, ys, yerr=[below, above], fmt="none", ecolor=color, capsize=3, alpha=0.6)
-    front = sorted(pareto_front(points), key=lambda r: r["mean_fpe"])
-    # A step after each front point: the best accuracy this checkpoint reaches for at most that much compute.
-    ax.step([r["mean_fpe"] for r in front], [100 * r["accuracy"] for r in front], where="post", color=color,
-            alpha=0.7, label=f"{checkpoint}: Pareto front")
-    dominated = [r for r in points if not any(r is f for f in front)]
-    for group, face, label in ((front, color, None), (dominated, "none", f"{checkpoint}: dominated")):
-        if group:
-            ax.scatter([r["mean_fpe"] for r in group], [100 * r["accuracy"] for r in group], marker=marker,
-                       facecolors=face, edgecolors=color, zorder=3, label=label)
-
-
-# Where a label may go, in points from its point: the diagonals first (a front's step line leaves each point to the
-# right, level), then right, left, above and below; then the same farther out.
-_DIRECTIONS = [(1, 1), (1, -1), (-1, 1), (-1, -1), (1, 0), (-1, 0), (0, 1), (0, -1)]
-_RINGS = (8, 18, 30, 44, 60)  # the first clears the marker (5 points) and a label's margin
-_OFFSETS = [(dx * r, dy * r) for r in _RINGS for dx, dy in _DIRECTIONS]
-
-
-def _label_points(fig: Any, ax: Any, rows: list[dict], colors: dict[str, str]) -> list[tuple[float, ...]]:
-    """Each decoder's name beside its point, at the first offset (nearest first) where its box overlaps no label
-    placed before it, no point and stays inside the axes; if none is free, where it overlaps least. A label moved
-    farther than the nearest ring gets a thin leader line. Needs the final layout: call after tight_layout.
-    Returns the labels' boxes in pixels (with their margin), in `rows` order."""
-    from matplotlib.text import Text
-
-    renderer = fig.canvas.get_renderer()
-    inside = ax.get_window_extent(renderer)
-    centres = [ax.transData.transform((r["mean_fpe"], 100 * r["accuracy"])) for r in rows]
-    pad, gap = 5 * fig.dpi / 72, 1.5 * fig.dpi / 72  # a marker's half-width and a label's margin, in pixels
-    taken = [(x - pad, y - pad, x + pad, y + pad) for x, y in centres]
-    labels: dict[int, tuple[float, ...]] = {}
-    # Top to bottom, so that the crowded upper labels (the ones a reader looks for) go nearest their points.
-    for index in sorted(range(len(rows)), key=lambda i: -rows[i]["accuracy"]):
-        r = rows[index]
-        best, best_cost = None, None
-        for dx, dy in _OFFSETS:
-            ha = "left" if dx > 0 else "right" if dx < 0 else "center"
-            va = "bottom" if dy > 0 else "top" if dy < 0 else "center"
-            far = max(abs(dx), abs(dy)) > _RINGS[0]
-            text = ax.annotate(r["decoder"], (r["mean_fpe"], 100 * r["accuracy"]), textcoords="offset points",
-                               xytext=(dx, dy), ha=ha, va=va, fontsize=7, color=colors[r["checkpoint"]], zorder=4,
-                               # a light backing keeps a label legible where it crosses a step line or a bar
-                               bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.7},
-                               arrowprops={"arrowstyle": "-", "color": colors[r["checkpoint"]], "lw": 0.5,
-                                           "alpha": 0.6} if far else None)
-            text.update_positions(renderer)
-            box = Text.get_window_extent(text, renderer)  # the words alone: an Annotation's own box has its leader
-            box = (box.x0 - gap, box.y0 - gap, box.x1 + gap, box.y1 + gap)  # labels that touch read as one
-            cost = sum(_overlap(box, other) for other in taken) + _outside(box, inside)
-            if best_cost is None or cost < best_cost:
-                if best is not None:
-                    best[0].remove()
-                best, best_cost = (text, box), cost
-            else:
-                text.remove()
-            if cost == 0:
-                break
-        taken.append(best[1])
-        labels[index] = best[1]
-    return [labels[i] for i in range(len(rows))]
-
-
-def _overlap(a: tuple[float, ...], b: tuple[float, ...]) -> float:
-    return max(0.0, min(a[2], b[2]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-
-
-def _outside(box: tuple[float, ...], inside: Any) -> float:
-    """The area of `box` outside the axes, weighted so that leaving the plot is worse than touching a label."""
-    width, height = box[2] - box[0], box[3] - box[1]
-    kept = _overlap(box, (inside.x0, inside.y0, inside.x1, inside.y1))
-    return 10 * (width * height - kept)

@@ -31,7 +31,7 @@ from redumix.embedded.replay import CONTEXT_ONLY, replay_conversations
 from redumix.generate.model_io import load_tokenizer, load_weights, stop_token_ids
 from redumix.generate.policy import SamplingPolicy
 from redumix.pipeline.config import Config
-from redumix.pipeline.harvest import check_harvest
+from redumix.pipeline.harvest_folder import check_harvest
 from redumix.pipeline.lineage import changed_inputs, harvest_id, model_id
 from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.run import (

@@ -17,7 +17,7 @@ from redumix.pipeline import reference
 from redumix.pipeline.cli import QUIET_ENVIRONMENT, SECTIONS, STAGES, main
 from redumix.pipeline.config import load_config
 from redumix.pipeline.decoders import DECODERS
-from redumix.pipeline.harvest import _differences
+from redumix.pipeline.harvest_folder import _differences
 from redumix.pipeline.resolve import config_to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ from redumix.generate.model_io import load_model
 from redumix.pipeline.config import load_config
 from redumix.pipeline.decoders import DEFAULT_DECODERS, check_decoder_names, make_decoder
 from redumix.pipeline.eval import run_eval
-from redumix.pipeline.report import wilson_interval
 from redumix.pipeline.run import RunDir
+from redumix.pipeline.stats import wilson_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"

@@ -13,8 +13,8 @@ from redumix.data.shards import iter_rows, shard_paths
 from redumix.pipeline.cli import main
 from redumix.pipeline.config import load_config
 from redumix.pipeline.harvest import run_harvest
-from redumix.pipeline.report import newcombe_paired_interval
 from redumix.pipeline.run import RunDir
+from redumix.pipeline.stats import newcombe_paired_interval
 from tests.conftest import kill_when, one_thread
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,17 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from redumix.pipeline.report import (
-    mcnemar_exact_p,
-    n_caption,
-    newcombe_paired_interval,
-    paired_with_greedy,
-    pareto_front,
-    plot_accuracy_vs_fpe,
-    report_markdown,
-    summarize,
-    tuned_vs_base,
-)
+from redumix.pipeline.plot import n_caption, plot_accuracy_vs_fpe
+from redumix.pipeline.report import paired_with_greedy, report_markdown, summarize, tuned_vs_base
+from redumix.pipeline.stats import mcnemar_exact_p, newcombe_paired_interval, pareto_front
 
 # Cavo et al. (2012), complete response before/after consolidation therapy: the worked example of Fagerland,
 # Lydersen & Laake, "Statistical Analysis of Contingency Tables" (2017), ch. 8, as printed by the authors' R package
@@ -221,7 +213,7 @@ def test_plot_labels_never_overlap_each_other_or_a_point():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from redumix.pipeline.report import _label_points, _overlap, _plot_checkpoint
+    from redumix.pipeline.plot import _label_points, _overlap, _plot_checkpoint
 
     rows = [row("base", "greedy", 0.43, 41), row("base", "moi", 0.43, 41), row("base", "redumix-oracle", 0.86, 180),
             row("base", "redumix-oracle@0", 0.85, 178), row("base", "redumix-self", 0.84, 182),
