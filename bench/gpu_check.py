@@ -34,13 +34,14 @@ import torch
 from bench.bench_decode import timed
 from bench.harvest_vs_hf import Redo, Stages, decodable_only, hf_harvest, hf_redo, ours_harvest
 from bench.models import embedded_model, embedded_tokenizer, seeded_model, smollm2_shape_model
+from redumix.common.files import read_json
 from redumix.data.tasks import make_task
 from redumix.generate.model_io import ModelConfig, load_model
 from redumix.generate.state import use_compiled_decoding
 from redumix.pipeline.config import load_config
 from redumix.pipeline.decoders import make_decoder
 from redumix.pipeline.harvest import run_harvest
-from redumix.pipeline.run import RunDir, read_json
+from redumix.pipeline.run import RunDir
 from redumix.pipeline.train import run_train
 
 ROOT = Path(__file__).resolve().parents[1]

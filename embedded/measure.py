@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from redumix.common.ranks import rank
 from redumix.data.arith import LINE, apply
 from redumix.data.task import Example, Task
 from redumix.embedded.config import BaseConfig
@@ -27,7 +28,6 @@ from redumix.generate.plain import PlainDecoder
 from redumix.generate.policy import SamplingPolicy
 from redumix.generate.redumix import RedumixConfig, RedumixDecoder
 from redumix.generate.reflective import ReflectiveConfig, ReflectiveDecoder
-from redumix.pipeline.run import rank
 
 GREEDY = SamplingPolicy(temperature=0.0, max_new_tokens=160)
 FORCED_HIDDEN_TOKENS = 240  # with GREEDY's 160 visible ones, the 400 tokens an answer with spans may take

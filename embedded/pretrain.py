@@ -24,10 +24,12 @@ from safetensors.torch import save_model as save_safetensors_model
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from redumix.common.files import atomic_write_json, log_metrics, read_json
+from redumix.common.ranks import print0, rank
 from redumix.embedded.config import BaseConfig
 from redumix.embedded.corpus import Episode
 from redumix.embedded.vocab import ASSISTANT, END, REFLECT_OPEN, SYSTEM, USER
-from redumix.pipeline.run import RunDir, atomic_write_json, log_metrics, print0, rank, read_json
+from redumix.pipeline.run import RunDir
 
 # --- episodes -> packed rows ---------------------------------------------------------------------------------------
 
@@ -178,7 +180,7 @@ def train_model(
         elapsed = time.perf_counter() - start
         bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tokens / elapsed:.0f}", refresh=False)
         if run is not None and (step % 100 == 0 or step == config.steps - 1):
-            log_metrics(run, "base", step=step, loss=round(ema, 4), lr=lr_at(step, config),
+            log_metrics(run.metrics, "base", step=step, loss=round(ema, 4), lr=lr_at(step, config),
                         tokens_per_s=round(tokens / elapsed))
         if checkpoint is not None and (step + 1) % config.checkpoint_steps == 0 and step + 1 < config.steps:
             save_checkpoint(checkpoint, model, optimizer, step + 1, tokens, ema, elapsed)

@@ -27,22 +27,15 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from redumix.common.files import atomic_write_json, atomic_write_text, log_metrics, read_json
+from redumix.common.ranks import barrier, print0, rank
 from redumix.data.tasks import flat_settings, make_task
 from redumix.embedded.corpus import corpus_episodes
 from redumix.embedded.measure import measure
 from redumix.embedded.pretrain import build_model, build_rows, train_model
 from redumix.embedded.tokenizer import corpus_tokenizer
 from redumix.pipeline.config import REPO, Config
-from redumix.pipeline.run import (
-    RunDir,
-    atomic_write_json,
-    atomic_write_text,
-    barrier,
-    log_metrics,
-    print0,
-    rank,
-    read_json,
-)
+from redumix.pipeline.run import RunDir
 
 TOKENIZER_EPISODES = 3000  # the corpus's first episodes, which the tokenizer is trained on
 
@@ -142,7 +135,7 @@ def copy_shipped_base(folder: Path, run: RunDir) -> None:
     shutil.copytree(folder, partial)
     partial.rename(run.base)
     accuracy = read_json(run.base / "metrics.json")["accuracy"]
-    log_metrics(run, "base", shipped_from=str(folder), accuracy=accuracy)
+    log_metrics(run.metrics, "base", shipped_from=str(folder), accuracy=accuracy)
     print0(f"base: copied the shipped build {folder} (greedy {accuracy:.1%} on held-out problems) into {run.base}; "
            "`redumix base` builds it from the code instead")
 
@@ -185,7 +178,7 @@ def run_base(config: Config, run: RunDir) -> None:
     tokenizer = AutoTokenizer.from_pretrained(run.base)
     measured = measure(model, tokenizer, make_task(config.task, config.seed), config.base, config.seed)
     metrics = {**measured, "build": build, "wall_seconds": round(time.perf_counter() - start, 1)}
-    log_metrics(run, "base", **{k: v for k, v in measured.items() if not isinstance(v, dict)},
+    log_metrics(run.metrics, "base", **{k: v for k, v in measured.items() if not isinstance(v, dict)},
                 wall_seconds=metrics["wall_seconds"])
     atomic_write_json(run.base / "metrics.json", metrics)  # the completion marker: last
     print0(f"base: greedy accuracy {measured['accuracy']:.1%} on {measured['n']} held-out problems"

@@ -23,6 +23,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from redumix.common.files import atomic_write_json, atomic_write_text, read_json
+from redumix.common.ranks import print0
 from redumix.data.tasks import make_task
 from redumix.embedded.stage import ensure_base
 from redumix.pipeline.config import Config
@@ -31,7 +33,7 @@ from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.report import paired_with_greedy
 from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.rounds import round_config, round_dir, run_rounds
-from redumix.pipeline.run import RunDir, atomic_write_json, atomic_write_text, model_path, print0, read_json
+from redumix.pipeline.run import RunDir, model_path
 
 # The round policy before issue 31: each key's value there. The recipe's policy differs from it in its ingredients.
 OLD_POLICY: dict[str, Any] = {

@@ -18,6 +18,8 @@ import dataclasses
 
 from tqdm import tqdm
 
+from redumix.common.files import log_metrics
+from redumix.common.ranks import print0, rank
 from redumix.data.tasks import make_task
 from redumix.embedded.stage import ensure_base
 from redumix.generate.decoder import attempt_prompts, example_seeds
@@ -27,7 +29,7 @@ from redumix.generate.reflective_loop import ReflectiveResult, reflective_genera
 from redumix.generate.reflective_markers import resolve_markers
 from redumix.generate.reflective_tuning import calibrate_tau, choose_stop
 from redumix.pipeline.config import Config
-from redumix.pipeline.run import RunDir, log_metrics, model_path, print0, rank
+from redumix.pipeline.run import RunDir, model_path
 
 
 def run_calibrate(config: Config, run: RunDir) -> None:
@@ -65,7 +67,7 @@ def run_calibrate(config: Config, run: RunDir) -> None:
 
     # --- the gate's thresholds
     result = calibrate_tau(decode, settings)
-    log_metrics(run, "calibrate", **vars(result))
+    log_metrics(run.metrics, "calibrate", **vars(result))
     print0(f"calibrate: reflection rate {result.measured_rate:.3f} per visible token (target {result.target_rate})")
     # Every uncertainty measure is >= 0, so thresholds carried below 0 by the configured gaps switch a rule off.
     if result.tau_low <= 0:
@@ -79,7 +81,7 @@ def run_calibrate(config: Config, run: RunDir) -> None:
     tuned = dataclasses.replace(settings, tau_high=result.tau_high, tau_low=result.tau_low, tau_stop=result.tau_stop)
     choice = choose_stop(decode_and_grade, tuned, candidates)
     for trial in choice.trials:
-        log_metrics(run, "calibrate_stop", chosen=trial.stop == choice.stop, **vars(trial))
+        log_metrics(run.metrics, "calibrate_stop", chosen=trial.stop == choice.stop, **vars(trial))
         print0(f"calibrate: stop={trial.stop:<10} accuracy {trial.accuracy:.3f} on {trial.n} train problems, "
                f"{trial.reflections} reflections, {trial.hidden_tokens} hidden tokens, FPE {trial.fpe}, "
                f"ends {trial.end_reasons}")

@@ -18,12 +18,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from redumix.common.files import atomic_write_text
+from redumix.common.ranks import print0, rank
 from redumix.pipeline import reference
 from redumix.pipeline.config import Config, load_config
 from redumix.pipeline.decoders import DECODERS
 from redumix.pipeline.lock import RunFolderBusy, run_folder_lock
 from redumix.pipeline.resolve import ConfigError, config_to_yaml
-from redumix.pipeline.run import RunDir, atomic_write_text, print0, rank
+from redumix.pipeline.run import RunDir
 
 
 @dataclass(frozen=True)

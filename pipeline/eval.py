@@ -23,6 +23,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from redumix.common.files import atomic_write_bytes, atomic_write_json, atomic_write_text, log_metrics, read_json
+from redumix.common.ranks import barrier, init_distributed, peak_rss_mb, print0, rank, world_size
 from redumix.data.task import Task
 from redumix.data.tasks import flat_settings, make_task
 from redumix.embedded.stage import ensure_base
@@ -41,21 +43,7 @@ from redumix.pipeline.report import (
     tuned_vs_base,
 )
 from redumix.pipeline.resolve import config_to_yaml
-from redumix.pipeline.run import (
-    RunDir,
-    atomic_write_bytes,
-    atomic_write_json,
-    atomic_write_text,
-    barrier,
-    init_distributed,
-    log_metrics,
-    model_path,
-    peak_rss_mb,
-    print0,
-    rank,
-    read_json,
-    world_size,
-)
+from redumix.pipeline.run import RunDir, model_path
 
 # --- the stage ----------------------------------------------------------------------------------------------------
 
@@ -105,7 +93,7 @@ def run_eval(
     plot_accuracy_vs_fpe(rows, out / "accuracy_vs_fpe.png")
     atomic_write_json(report_path, report)  # last: its presence means the stage is complete
     for row in rows:
-        log_metrics(run, "eval", **{k: v for k, v in row.items() if isinstance(v, (int, float, str))})
+        log_metrics(run.metrics, "eval", **{k: v for k, v in row.items() if isinstance(v, (int, float, str))})
     print0(report_markdown(report))
 
 

@@ -25,6 +25,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from redumix.common.files import atomic_write_json, atomic_write_text, read_json
+from redumix.common.ranks import print0
 from redumix.embedded.stage import ensure_base
 from redumix.pipeline.config import Config
 from redumix.pipeline.drift import drift_measures, greedy_answers, read_general_set
@@ -33,7 +35,7 @@ from redumix.pipeline.evidence_arms import ARMS, HARVESTS
 from redumix.pipeline.harvest import run_harvest
 from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.resolve import config_to_yaml
-from redumix.pipeline.run import RunDir, atomic_write_json, atomic_write_text, model_path, print0, read_json
+from redumix.pipeline.run import RunDir, model_path
 from redumix.pipeline.stats import mcnemar_exact_p, wilson_interval
 from redumix.pipeline.train import run_train
 

@@ -24,21 +24,15 @@ from typing import Any
 
 from datasets import Dataset, Features, List, Value
 
+from redumix.common.files import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
+from redumix.common.ranks import print0, rank
 from redumix.data.prompts import attempt_messages, reflect_messages
 from redumix.data.shards import load_shards
 from redumix.pipeline.config import Config
 from redumix.pipeline.harvest_folder import check_harvest
 from redumix.pipeline.lineage import changed_inputs, harvest_id
 from redumix.pipeline.resolve import config_to_yaml
-from redumix.pipeline.run import (
-    RunDir,
-    atomic_write_bytes,
-    atomic_write_json,
-    atomic_write_text,
-    print0,
-    rank,
-    read_json,
-)
+from redumix.pipeline.run import RunDir
 
 # Declared, so that an empty set still has its columns (a harvest with no fixed row exports no pair).
 MESSAGES = List({"role": Value("string"), "content": Value("string")})

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from redumix.common.files import atomic_write_bytes, atomic_write_json, log_metrics, read_json
+from redumix.common.ranks import barrier, init_distributed, print0, rank, world_size
 from redumix.data.jsonl import read_jsonl_by_id
 from redumix.data.shards import (
     bad_shards,
@@ -41,19 +43,7 @@ from redumix.pipeline.harvest_folder import (
     harvest_settings,
 )
 from redumix.pipeline.preflight import check_inputs
-from redumix.pipeline.run import (
-    RunDir,
-    atomic_write_bytes,
-    atomic_write_json,
-    barrier,
-    init_distributed,
-    log_metrics,
-    model_path,
-    print0,
-    rank,
-    read_json,
-    world_size,
-)
+from redumix.pipeline.run import RunDir, model_path
 
 
 def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
@@ -107,7 +97,7 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
     if rank() == 0:
         manifest = harvest_manifest(config, out, n_shards, fingerprint)
         atomic_write_json(manifest_path, manifest)  # last: its presence means the stage is complete
-        log_metrics(run, "harvest", **{k: v for k, v in manifest.items() if isinstance(v, (int, float))})
+        log_metrics(run.metrics, "harvest", **{k: v for k, v in manifest.items() if isinstance(v, (int, float))})
         print0(format_summary(manifest))
 
 
@@ -174,7 +164,7 @@ def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Examp
             bar.update(len(batch))
             bar.set_postfix(redo_acc=f"{redos_right / redos_done:.3f}")
         atomic_write_bytes(run.harvest / shard_name(k), encode_shard(rows))
-        log_metrics(run, "harvest", shard=k, rows=len(rows))
+        log_metrics(run.metrics, "harvest", shard=k, rows=len(rows))
     bar.close()
 
 

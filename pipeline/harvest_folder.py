@@ -13,12 +13,13 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from redumix.common.files import atomic_write_json, atomic_write_text, read_json
+from redumix.common.ranks import barrier, peak_rss_mb, rank
 from redumix.data.shards import bad_shards, iter_rows, shard_name, shard_paths, shard_record
 from redumix.data.task import Task
 from redumix.data.tasks import flat_settings
 from redumix.pipeline.config import Config
 from redumix.pipeline.resolve import config_to_yaml
-from redumix.pipeline.run import atomic_write_json, atomic_write_text, barrier, peak_rss_mb, rank, read_json
 from redumix.pipeline.stats import newcombe_paired_interval
 
 

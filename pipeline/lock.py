@@ -19,7 +19,8 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from redumix.pipeline.run import atomic_write_json, print0, rank, read_json_or_none, world_size
+from redumix.common.files import atomic_write_json, read_json_or_none
+from redumix.common.ranks import print0, rank, world_size
 
 LOCK_NAME = ".redumix.lock"
 HOLDER_NAME = ".redumix.lock.json"
@@ -70,7 +71,7 @@ def _all_ranks_agree(taken: bool) -> bool:
     import torch
     import torch.distributed as dist
 
-    from redumix.pipeline.run import init_distributed
+    from redumix.common.ranks import init_distributed
 
     init_distributed()
     flag = torch.tensor([int(taken)])

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from redumix.pipeline.run import atomic_write_bytes
+from redumix.common.files import atomic_write_bytes
 from redumix.pipeline.stats import pareto_front
 
 

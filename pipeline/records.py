@@ -13,9 +13,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from redumix.common.files import atomic_write_bytes
 from redumix.data.task import Example, Task
 from redumix.generate.decoder import Decoded
-from redumix.pipeline.run import atomic_write_bytes
 
 
 def model_identity(path: Path) -> str:

@@ -20,6 +20,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from redumix.common.files import atomic_write_json, atomic_write_text, read_json, read_json_or_none
+from redumix.common.ranks import print0, rank
 from redumix.embedded.stage import ensure_base
 from redumix.pipeline.config import Config
 from redumix.pipeline.decoders import check_decoder_names
@@ -29,16 +31,7 @@ from redumix.pipeline.harvest import run_harvest
 from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.report import paired_with_greedy, summarize
 from redumix.pipeline.resolve import config_to_yaml
-from redumix.pipeline.run import (
-    RunDir,
-    atomic_write_json,
-    atomic_write_text,
-    model_path,
-    print0,
-    rank,
-    read_json,
-    read_json_or_none,
-)
+from redumix.pipeline.run import RunDir, model_path
 from redumix.pipeline.train import run_train
 
 

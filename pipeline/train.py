@@ -26,6 +26,8 @@ from datasets import concatenate_datasets
 from transformers import PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from redumix.common.files import atomic_write_json, atomic_write_text, log_metrics, read_json, read_json_or_none
+from redumix.common.ranks import peak_rss_mb, print0, rank, world_size
 from redumix.data.tasks import make_task
 from redumix.embedded.replay import CONTEXT_ONLY, replay_conversations
 from redumix.generate.model_io import load_tokenizer, load_weights, stop_token_ids
@@ -34,18 +36,7 @@ from redumix.pipeline.config import Config
 from redumix.pipeline.harvest_folder import check_harvest
 from redumix.pipeline.lineage import changed_inputs, harvest_id, model_id
 from redumix.pipeline.resolve import config_to_yaml
-from redumix.pipeline.run import (
-    RunDir,
-    atomic_write_json,
-    atomic_write_text,
-    log_metrics,
-    peak_rss_mb,
-    print0,
-    rank,
-    read_json,
-    read_json_or_none,
-    world_size,
-)
+from redumix.pipeline.run import RunDir
 from redumix.train.data import (
     build_examples,
     conversation_examples,
@@ -180,7 +171,7 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
         "peak_rss_mb": peak_rss_mb(),
         "inputs": inputs,  # the base and harvest it was made from: a rerun after either changed trains again
     }
-    log_metrics(run, STAGE, **{k: v for k, v in result.items() if k != "rows"})
+    log_metrics(run.metrics, STAGE, **{k: v for k, v in result.items() if k != "rows"})
     print0(f"train: held-out KL(p_mix ‖ model) per token: base {kl_base:.4f} -> merged {kl_merged:.4f} "
            f"({result['heldout_tokens']} tokens); {result['steps']} steps in {result['wall_seconds']} s")
     atomic_write_json(run.train / "metrics.json", result)  # the completion marker, last
@@ -310,4 +301,4 @@ class MetricsToRunLog(TrainerCallback):
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kwargs: Any) -> None:
         if logs and state.is_world_process_zero:
-            log_metrics(self.run, STAGE, step=state.global_step, **logs)
+            log_metrics(self.run.metrics, STAGE, step=state.global_step, **logs)

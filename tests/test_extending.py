@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from redumix.common.files import atomic_write_json
 from redumix.data.arith import arith_problems
 from redumix.data.shards import iter_rows, shard_paths
 from redumix.data.tasks import TASKS, TaskEntry, make_task
@@ -19,7 +20,7 @@ from redumix.pipeline.cli import STAGES, Stage, main
 from redumix.pipeline.config import Config, EvalConfig, load_config
 from redumix.pipeline.decoders import DECODERS, DEFAULT_DECODERS, DecoderEntry, decoder_sections, known_decoders
 from redumix.pipeline.resolve import ConfigError
-from redumix.pipeline.run import RunDir, atomic_write_json
+from redumix.pipeline.run import RunDir
 from tests.test_seams import EchoTask, FirstNumber
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from redumix.common import files as files_module
+from redumix.common.files import atomic_write_bytes
 from redumix.data.shards import iter_rows, shard_paths
-from redumix.pipeline import run as run_module
 from redumix.pipeline.config import load_config
 from redumix.pipeline.eval import run_eval
 from redumix.pipeline.harvest import run_harvest
-from redumix.pipeline.run import RunDir, atomic_write_bytes
+from redumix.pipeline.run import RunDir
 from tests.conftest import kill_when
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +81,7 @@ class _DiskFull:
 
 def test_a_failed_write_leaves_no_file_under_its_final_name(tmp_path, monkeypatch):
     target = tmp_path / "out.json"
-    monkeypatch.setattr(run_module.os, "fdopen", _DiskFull(fail_at=1))
+    monkeypatch.setattr(files_module.os, "fdopen", _DiskFull(fail_at=1))
     with pytest.raises(OSError, match="No space left"):
         atomic_write_bytes(target, b"x" * 1000)
     assert list(tmp_path.iterdir()) == []  # neither the final name nor the temporary file
@@ -94,10 +95,10 @@ def test_harvest_survives_a_full_disk_and_the_rerun_completes(tmp_path, tiny_mod
 
     full = tmp_path / "full"
     disk = _DiskFull(fail_at=4)  # config, fingerprint, then the first shards: a shard write fails
-    monkeypatch.setattr(run_module.os, "fdopen", disk)
+    monkeypatch.setattr(files_module.os, "fdopen", disk)
     with pytest.raises(OSError, match="No space left"):
         run_harvest(config, RunDir(full))
-    monkeypatch.setattr(run_module.os, "fdopen", disk.real_fdopen)
+    monkeypatch.setattr(files_module.os, "fdopen", disk.real_fdopen)
     folder = full / "harvest"
     assert not (folder / "manifest.json").exists()
     assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]

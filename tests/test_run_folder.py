@@ -9,8 +9,8 @@ import stat
 
 import pytest
 
+from redumix.common.files import atomic_write_text
 from redumix.pipeline.lock import HOLDER_NAME, RunFolderBusy, run_folder_lock
-from redumix.pipeline.run import atomic_write_text
 
 
 def test_a_second_writer_is_refused_with_who_holds_the_folder(tmp_path):
@@ -203,7 +203,7 @@ def test_a_full_disk_names_the_file_it_could_not_write(tmp_path, tiny_model_dir,
     import errno
     import os
 
-    from redumix.pipeline import run as run_module
+    from redumix.common import files as files_module
     from redumix.pipeline.cli import main
 
     real = os.fdopen
@@ -220,7 +220,7 @@ def test_a_full_disk_names_the_file_it_could_not_write(tmp_path, tiny_model_dir,
             handle.write = write
         return handle
 
-    monkeypatch.setattr(run_module.os, "fdopen", full_after_two)
+    monkeypatch.setattr(files_module.os, "fdopen", full_after_two)
     assert main(_harvest_command(tmp_path / "run", tiny_model_dir)[3:]) == 1
     err = capsys.readouterr().err
     assert "no space left on the device" in err and str(tmp_path / "run") in err and "Traceback" not in err

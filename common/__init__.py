@@ -1,0 +1,1 @@
+"""The bottom layer: files and processes, shared by every other package."""
