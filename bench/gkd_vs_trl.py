@@ -88,7 +88,7 @@ def gkd_offline_vs_trl_live_teacher(
     y: int = 120, repeats: int = 3,
 ) -> Pairs:
     """Goal ≥ 1.5. Step time of TRL's GKDTrainer with a live teacher computing p_mix from x and x2 every step
-    (`LiveMixtureGKDTrainer`, lmbda=0 so both train on the same fixed y) over our offline step (SparseGKDTrainer,
+    (`LiveMixtureGKDTrainer`, TRL's lmbda=0 so both train on the same fixed y) over our offline step (SparseGKDTrainer,
     the stored top-k + tail of p_mix), on one batch of `rows` rows of x, x2 and y tokens. Both go through
     `Trainer.training_step` (forward, loss, backward) then the same AdamW step over the same student; float32,
     β=0 as the tiny recipe trains. The student and the frozen teacher are copies of `model`, which stays as it was,

@@ -5,9 +5,9 @@ nothing read from `runs/`, so a result depends only on the code.
   markers and reflection markers are single special ids, and a 2-layer random Qwen2 or Llama.
 - The train tests' tiny models (`build_train_tokenizer`, `build_train_model`): a smaller character set, the ids
   that tests/train_fixtures.py's harvest shards hold, and untied embeddings.
-- The benchmarks' shapes: the embedded default's (`BaseConfig` defaults: Llama, hidden 96, 4 layers, 4 heads,
-  MLP 256, vocabulary 768, 0.52M parameters) with its byte-level BPE tokenizer trained the way `redumix base` trains
-  it, and SmolLM2-135M's architecture. Random weights decode as fast as trained ones; only the shapes matter for
+- The benchmarks' shapes: the embedded default's (`EmbeddedConfig` defaults: Llama, hidden 96, 4 layers, 4 heads,
+  MLP 256, vocabulary 768, 0.52M parameters) with its byte-level BPE tokenizer trained the way `redumix embedded`
+  trains it, and SmolLM2-135M's architecture. Random weights decode as fast as trained ones; only the shapes matter for
   speed.
 
 It lives in bench/ and the tests import it: the tests already import bench/ (they check the benchmarks), while a
@@ -32,7 +32,7 @@ from transformers import (
 )
 
 from redumix.data.arith import ArithConfig
-from redumix.embedded.config import BaseConfig
+from redumix.embedded.config import EmbeddedConfig
 from redumix.embedded.corpus import corpus_episodes
 from redumix.embedded.pretrain import build_model
 from redumix.embedded.tokenizer import corpus_tokenizer
@@ -127,11 +127,11 @@ def build_train_model(vocab_size: int, arch: str = "llama", seed: int = 0, hidde
 
 # --- the benchmarks' shapes -----------------------------------------------------------------------------------------
 
-SHAPE = BaseConfig()
+SHAPE = EmbeddedConfig()
 
 
 def embedded_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
-    base = BaseConfig()
+    base = EmbeddedConfig()
     episodes = itertools.islice(corpus_episodes(ArithConfig(), base.corpus, seed), 3000)
     return corpus_tokenizer(list(episodes), base.vocab_size)
 

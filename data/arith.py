@@ -3,7 +3,7 @@
 A problem is a start value and 2-4 operations (`+ a`, `- a`, `* f`), told as a short story. Every canonical problem
 (start value and operations; the names and nouns of the story do not count) falls into one of ten buckets by a
 stable hash: bucket 0 is the `test` split, bucket 1 the `train` split that the harvest reads, and buckets 2-9 are
-what `redumix base` pre-trains on (embedded/corpus.py). So the base never sees a held-out or harvested problem,
+what `redumix embedded` pre-trains on (embedded/corpus.py). So the base never sees a held-out or harvested problem,
 whatever the seeds.
 
 Solutions come in two procedures of different reliability:

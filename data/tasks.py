@@ -1,9 +1,9 @@
 """The tasks by name. A new task is a class in its own module of data/ (with its settings dataclass, if it has any)
 and one line in `TASKS`.
 
-The `task` config section is composed here: `task.name` picks the task, `task.prompt_suffix` applies to every task,
-and each task with settings has its own section under its name (`task.arith.steps_max`, `task.gsm8k.path`). The
-choices of `task.name` and its "known:" message are read from the table.
+The `task` config section is written here: `task.name` picks the task, `task.prompt_suffix` applies to every task,
+and each task with settings has its own section under its name (`task.arith.steps_max`, `task.gsm8k.path`): a field
+of `TaskConfig`. The choices of `task.name` and its "known:" message are read from the table.
 """
 
 from __future__ import annotations
@@ -33,24 +33,27 @@ TASKS: dict[str, TaskEntry] = {
 }
 
 
-def _check_name(config: Any) -> None:
+@dataclass
+class TaskConfig:
+    """`task`: which task, a suffix for every prompt, and each task's own settings under its name. A task with settings
+    is one field here and one `TASKS` line (tests/test_extending.py checks that every line's settings are a field)."""
+
+    name: str = field(default="arith", metadata={"help": "Task to harvest and evaluate: " + "; ".join(
+        f"{name}: {entry.help}" for name, entry in TASKS.items())})
+    prompt_suffix: str = field(default="", metadata={
+        "help": "Text appended to every question, e.g. an answer-format instruction for a real model."})
+    arith: ArithConfig = field(default_factory=ArithConfig, metadata={"help": "arith's settings"})
+    gsm8k: Gsm8kConfig = field(default_factory=Gsm8kConfig, metadata={"help": "gsm8k's settings"})
+    constraints: ConstraintsConfig = field(
+        default_factory=ConstraintsConfig, metadata={"help": "constraints' settings"})
+
+    def __post_init__(self) -> None:
+        _check_name(self)  # the name is checked against the table when it is read
+
+
+def _check_name(config: TaskConfig) -> None:
     if config.name not in TASKS:
         raise ValueError(f"unknown task name {config.name!r} (known: {', '.join(TASKS)})")
-
-
-TaskConfig = dataclasses.make_dataclass(
-    "TaskConfig",
-    [
-        ("name", str, field(default="arith", metadata={"help": "Task to harvest and evaluate: " + "; ".join(
-            f"{name}: {entry.help}" for name, entry in TASKS.items())})),
-        ("prompt_suffix", str, field(default="", metadata={
-            "help": "Text appended to every question, e.g. an answer-format instruction for a real model."})),
-        *[(name, entry.settings, field(default_factory=entry.settings, metadata={"help": f"{name}'s settings"}))
-          for name, entry in TASKS.items() if entry.settings is not None],
-    ],
-    namespace={"__post_init__": _check_name},  # the name is checked against the table when it is read
-)
-TaskConfig.__module__ = __name__
 
 
 def make_task(config: TaskConfig, seed: int) -> Task:

@@ -1,8 +1,11 @@
-"""The embedded default model: a tiny Llama that the pipeline trains itself on arith, so a fresh CPU machine runs
-the pipeline with no download (`redumix base`).
+"""The embedded default model as a library: a tiny Llama that the pipeline builds for itself on arith text. It takes
+the narrow settings it needs and imports nothing from pipeline/; these names are what pipeline/ may use
+(tests/test_layers.py holds it to that)."""
 
-One module per part of the build: `vocab` (its special tokens and chat format), `corpus` (its training text),
-`config` (the `base` config section), `tokenizer`, `pretrain` (packed rows, the model, the training loop and its
-checkpoints), `measure` (what the built model scores, with generate/'s decoders) and `stage` (building, resuming,
-reusing the shipped build). Stages import only `stage.ensure_base`, and the CLI `stage.run_base`.
-"""
+from redumix.embedded.build import build_embedded, build_settings, read_text_or_none, require_arith
+from redumix.embedded.config import EmbeddedConfig
+from redumix.embedded.measure import measure
+from redumix.embedded.replay import CONTEXT_ONLY, replay_conversations
+
+__all__ = ["CONTEXT_ONLY", "EmbeddedConfig", "build_embedded", "build_settings", "measure", "read_text_or_none",
+           "replay_conversations", "require_arith"]

@@ -1,6 +1,7 @@
-"""`BaseConfig`: the `base` config section, which says how `redumix base` builds the embedded default model.
+"""`EmbeddedConfig`: the `embedded` config section, which says how `redumix embedded` builds the embedded default
+model.
 
-The corpus mix is its own section, `base.corpus` (`CorpusSpec` in embedded/corpus.py, which holds its defaults).
+The corpus mix is its own section, `embedded.corpus` (`CorpusSpec` in embedded/corpus.py, which holds its defaults).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from redumix.embedded.vocab import SPECIAL_TOKENS
 
 
 @dataclass
-class BaseConfig:
-    steps: int = field(default=3500, metadata={"help": "Optimizer steps of base pre-training (fixed, not timed)."})
+class EmbeddedConfig:
+    steps: int = field(default=3500, metadata={"help": "Optimizer steps of pre-training (fixed, not timed)."})
     batch_rows: int = field(default=2, metadata={"help": "Packed rows per optimizer step."})
     seq_len: int = field(default=512, metadata={"help": "Tokens per packed row; also the model's window."})
     vocab_size: int = field(
@@ -41,16 +42,17 @@ class BaseConfig:
         metadata={"help": "Save weights, optimizer and step every this many steps; a rerun resumes from the last."},
     )
     corpus: CorpusSpec = field(default_factory=CorpusSpec)
-    eval_n: int = field(default=300, metadata={"help": "Held-out test problems for the base's greedy accuracy."})
+    eval_n: int = field(
+        default=300, metadata={"help": "Held-out test problems for the built model's greedy accuracy."})
     eval_reflection: bool = field(
         default=True, metadata={"help": "Also measure attempt -> feedback -> reflection -> x2-only redo on eval_n."}
     )
     eval_batch_size: int = field(default=100, metadata={"help": "Problems decoded together when measuring."})
     shipped: str | None = field(
         default=None,
-        metadata={"help": "A folder with a base that `redumix base` built from these settings. When its "
-                  "build_config.yaml matches, harvest, eval, calibrate, rounds and evidence copy it into RUN_DIR/base "
-                  "instead of building; `redumix base` always builds from the code."},
+        metadata={"help": "A folder with a model that `redumix embedded` built from these settings. When its "
+                  "build_config.yaml matches, harvest, eval, calibrate, rounds and evidence copy it into "
+                  "RUN_DIR/embedded instead of building; `redumix embedded` always builds from the code."},
     )
 
     def __post_init__(self) -> None:

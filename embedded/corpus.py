@@ -1,7 +1,7 @@
 """The embedded base's training text: `CorpusSpec` (the mix), the five episode builders and `corpus_episodes`.
 
 The base is trained on arith by construction: every episode is built from an arith problem in the buckets that
-neither the `test` nor the `train` split uses (data/arith.py), so the base never sees a held-out or harvested
+neither the `test` nor the `train` split uses (data/arith.py), so the embedded model never sees a held-out or harvested
 problem, whatever the seeds. Solutions are written by arith's own writers (terse attempts with slips, long-hand
 checks); this module decides which episodes to make of them and where the hidden check spans go.
 
@@ -49,8 +49,8 @@ from redumix.embedded.vocab import REFLECT_CLOSE, REFLECT_OPEN
 
 @dataclass
 class CorpusSpec:
-    """How the base's training text is mixed (the `base.corpus` config section). Weights are relative; rates are per
-    episode or per line. The defaults are the mix the shipped base was built and measured with."""
+    """How the embedded model's training text is mixed (the `embedded.corpus` config section). Weights are relative;
+    rates are per episode or per line. The defaults are the mix the shipped build was built and measured with."""
 
     mix_solution: float = field(default=0.42, metadata={"help": "Weight of plain terse solutions in the corpus."})
     mix_reflection: float = field(default=0.33, metadata={"help": "Weight of reflection episodes."})
@@ -59,7 +59,7 @@ class CorpusSpec:
     mix_longhand: float = field(default=0.05, metadata={"help": "Weight of long-hand solutions (LONGHAND prompt)."})
     slip_rate: float = field(
         default=0.1,
-        metadata={"help": "Share of trained terse solutions with a slip (the base stays imperfect)."},
+        metadata={"help": "Share of trained terse solutions with a slip (the model stays imperfect)."},
     )
     wrong_attempt_rate: float = field(
         default=0.6, metadata={"help": "Share of reflection, critique and refine attempts with a slip."}

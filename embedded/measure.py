@@ -21,7 +21,7 @@ from tqdm import tqdm
 from redumix.common.ranks import rank
 from redumix.data.arith import LINE, apply
 from redumix.data.task import Example, Task
-from redumix.embedded.config import BaseConfig
+from redumix.embedded.config import EmbeddedConfig
 from redumix.embedded.vocab import REFLECT_CLOSE, REFLECT_OPEN
 from redumix.generate.decoder import Decoded, Decoder, Model, Tokenizer
 from redumix.generate.plain import PlainDecoder
@@ -45,7 +45,7 @@ def decode(
 ) -> list[Decoded]:
     out: list[Decoded] = []
     starts = range(0, len(examples), batch_size)
-    for lo in tqdm(starts, desc=f"base: measuring {decoder.name}", unit="batch", disable=rank() != 0):
+    for lo in tqdm(starts, desc=f"embedded: measuring {decoder.name}", unit="batch", disable=rank() != 0):
         out += decoder(model, tokenizer, examples[lo : lo + batch_size], task)
     return out
 
@@ -92,7 +92,7 @@ def forced_check_spans(
     }
 
 
-def measure(model: Model, tokenizer: Tokenizer, task: Task, base: BaseConfig, seed: int) -> dict:
+def measure(model: Model, tokenizer: Tokenizer, task: Task, base: EmbeddedConfig, seed: int) -> dict:
     """Greedy accuracy on the first `base.eval_n` held-out test problems; with `base.eval_reflection`, what
     reflection and check spans buy."""
     examples, batch_size = task.examples("test", base.eval_n), base.eval_batch_size

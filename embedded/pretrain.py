@@ -26,10 +26,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from redumix.common.files import atomic_write_json, log_metrics, read_json
 from redumix.common.ranks import print0, rank
-from redumix.embedded.config import BaseConfig
+from redumix.embedded.config import EmbeddedConfig
 from redumix.embedded.corpus import Episode
 from redumix.embedded.vocab import ASSISTANT, END, REFLECT_OPEN, SYSTEM, USER
-from redumix.pipeline.run import RunDir
 
 # --- episodes -> packed rows ---------------------------------------------------------------------------------------
 
@@ -115,7 +114,7 @@ def build_rows(
 
 
 def build_model(
-    config: BaseConfig, tokenizer: PreTrainedTokenizerFast, seed: int, vocab_size: int | None = None
+    config: EmbeddedConfig, tokenizer: PreTrainedTokenizerFast, seed: int, vocab_size: int | None = None
 ) -> LlamaForCausalLM:
     """The embedded default's Llama with fresh weights; `vocab_size` overrides the tokenizer's (benchmarks)."""
     torch.manual_seed(seed)
@@ -133,7 +132,7 @@ def build_model(
     return model
 
 
-def lr_at(step: int, config: BaseConfig) -> float:
+def lr_at(step: int, config: EmbeddedConfig) -> float:
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
     progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
@@ -141,12 +140,13 @@ def lr_at(step: int, config: BaseConfig) -> float:
 
 
 def train_model(
-    model: LlamaForCausalLM, rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], config: BaseConfig,
-    run: RunDir | None, checkpoint: Path | None = None,
+    model: LlamaForCausalLM, rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], config: EmbeddedConfig,
+    metrics: Path | None, checkpoint: Path | None = None,
 ) -> dict[str, float]:
     """Train for config.steps, resuming from `checkpoint` when it holds a saved step, and saving there as it goes.
 
-    Step s reads packed rows [s·batch_rows, (s+1)·batch_rows), and nothing else is random, so a resumed run
+    With `metrics` (a metrics.jsonl file) the loss is logged there every 100 steps. Step s reads packed rows
+    [s·batch_rows, (s+1)·batch_rows), and nothing else is random, so a resumed run
     takes exactly the steps an unbroken one would.
     """
     input_ids, labels, positions = rows
@@ -159,10 +159,10 @@ def train_model(
     first, tokens, ema, elapsed_before = 0, 0, None, 0.0
     if checkpoint is not None and (checkpoint / "state.json").is_file():
         first, tokens, ema, elapsed_before = load_checkpoint(checkpoint, model, optimizer)
-        print0(f"base: resuming from step {first} of {config.steps} ({checkpoint})")
+        print0(f"embedded: resuming from step {first} of {config.steps} ({checkpoint})")
     model.train()
     start = time.perf_counter() - elapsed_before
-    bar = tqdm(range(first, config.steps), desc="base", disable=rank() != 0, mininterval=2.0, initial=first,
+    bar = tqdm(range(first, config.steps), desc="embedded", disable=rank() != 0, mininterval=2.0, initial=first,
                total=config.steps)
     for step in bar:
         lo = step * config.batch_rows
@@ -179,8 +179,8 @@ def train_model(
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         elapsed = time.perf_counter() - start
         bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tokens / elapsed:.0f}", refresh=False)
-        if run is not None and (step % 100 == 0 or step == config.steps - 1):
-            log_metrics(run.metrics, "base", step=step, loss=round(ema, 4), lr=lr_at(step, config),
+        if metrics is not None and (step % 100 == 0 or step == config.steps - 1):
+            log_metrics(metrics, "embedded", step=step, loss=round(ema, 4), lr=lr_at(step, config),
                         tokens_per_s=round(tokens / elapsed))
         if checkpoint is not None and (step + 1) % config.checkpoint_steps == 0 and step + 1 < config.steps:
             save_checkpoint(checkpoint, model, optimizer, step + 1, tokens, ema, elapsed)

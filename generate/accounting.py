@@ -59,4 +59,5 @@ class ForwardCounter:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._handle.remove()
+        if self._handle is not None:
+            self._handle.remove()

@@ -30,9 +30,9 @@ class ModelConfig:
     """`model`: which model the stages load, and how."""
 
     path: str = field(
-        default="base",
-        metadata={"help": "'base' is the embedded default built by `redumix base` in RUN_DIR/base; "
-                  "otherwise a local Hugging Face model folder."},
+        default="embedded",
+        metadata={"help": "'embedded' is the embedded default model built by `redumix embedded` in "
+                  "RUN_DIR/embedded; otherwise a local Hugging Face model folder."},
     )
     trust_remote_code: bool = field(default=False, metadata={"help": "Run model code shipped with the checkpoint."})
     dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata={"help": "Weights dtype."})
@@ -49,7 +49,7 @@ def load_model(
     path: str | Path, settings: ModelConfig | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The model in `path`, ready to decode, plus its tokenizer (left padding, a pad token). Raises
-    FileNotFoundError if missing. `path` is the folder the stage resolved (`settings.path` may say 'base', and a
+    FileNotFoundError if missing. `path` is the folder the stage resolved (`settings.path` may say 'embedded', and a
     stage also loads its own checkpoints); `settings` says how: dtype, device, trusted code, and with
     `compile_decoding` its one-token decode steps run compiled (`state.use_compiled_decoding`)."""
     path, settings = Path(path), settings or ModelConfig()
@@ -77,7 +77,7 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrai
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"no model at {path} (expected a Hugging Face folder with config.json): run `redumix base` for the "
+            f"no model at {path} (expected a Hugging Face folder with config.json): run `redumix embedded` for the "
             "embedded default, or set model.path to a local checkpoint folder"
         )
     refuse_shipped_code(path, trust_remote_code)

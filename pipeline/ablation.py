@@ -26,8 +26,9 @@ from typing import Any
 from redumix.common.files import atomic_write_json, atomic_write_text, read_json
 from redumix.common.ranks import print0
 from redumix.data.tasks import make_task
-from redumix.embedded.stage import ensure_base
 from redumix.pipeline.config import Config
+from redumix.pipeline.decoders import BASELINE
+from redumix.pipeline.embedded_stage import ensure_embedded
 from redumix.pipeline.harvest_folder import harvest_fingerprint
 from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.report import paired_with_greedy
@@ -35,7 +36,8 @@ from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.rounds import round_config, round_dir, run_rounds
 from redumix.pipeline.run import RunDir, model_path
 
-# The round policy before issue 31: each key's value there. The recipe's policy differs from it in its ingredients.
+# The round policy that stalled (docs/rounds.md): each key's value there. The recipe's policy differs from it in its
+# ingredients.
 OLD_POLICY: dict[str, Any] = {
     "train.skill_rows": False,
     "train.replay": 0.0,
@@ -75,7 +77,7 @@ def arm_dir(run: RunDir, arm: str, seed: int) -> RunDir:
 
 
 def run_ablation(config: Config, run: RunDir) -> dict[str, Any]:
-    ensure_base(config, run)
+    ensure_embedded(config, run)
     start = model_path(config.model.path, run).resolve()
     arms = ablation_arms(config)
     for arm, changes, seed in arms:
@@ -120,7 +122,7 @@ def share_first_harvest(run: RunDir, settings: Config, here: RunDir) -> None:
 
 
 def _greedy(here: RunDir, index: int) -> list[dict]:
-    return read_records(records_path(round_dir(here, index).eval / "generations", "tuned", "greedy"))
+    return read_records(records_path(round_dir(here, index).eval / "generations", "tuned", BASELINE))
 
 
 def arm_wall_seconds(here: RunDir, count: int) -> float:
@@ -167,7 +169,7 @@ def write_ablation(run: RunDir, summary: dict[str, Any]) -> None:
 
 def ablation_markdown(summary: dict[str, Any]) -> str:
     decoders, count = summary["decoders"], summary["count"]
-    others = [d for d in decoders if d != "greedy"]
+    others = [d for d in decoders if d != BASELINE]
     head = ["arm", "seed", *[f"greedy r{i}" for i in range(count + 1)], f"round {count} greedy − policy's [95% CI]",
             *[f"{d} r{count}" for d in others], "lost (any round)", "greedy rises every round", "steps", "wall s"]
     lines = ["# Round-policy ablation", "",

@@ -21,7 +21,6 @@ from tqdm import tqdm
 from redumix.common.files import log_metrics
 from redumix.common.ranks import print0, rank
 from redumix.data.tasks import make_task
-from redumix.embedded.stage import ensure_base
 from redumix.generate.decoder import attempt_prompts, example_seeds
 from redumix.generate.model_io import load_model, stop_token_ids
 from redumix.generate.reflective_config import STOP_RULES, ReflectiveConfig
@@ -29,11 +28,12 @@ from redumix.generate.reflective_loop import ReflectiveResult, reflective_genera
 from redumix.generate.reflective_markers import resolve_markers
 from redumix.generate.reflective_tuning import calibrate_tau, choose_stop
 from redumix.pipeline.config import Config
+from redumix.pipeline.embedded_stage import ensure_embedded
 from redumix.pipeline.run import RunDir, model_path
 
 
 def run_calibrate(config: Config, run: RunDir) -> None:
-    ensure_base(config, run)
+    ensure_embedded(config, run)
     model, tokenizer = load_model(model_path(config.model.path, run), config.model)
     # Another seed than the harvest's, so the calibration problems are not the ones the harvest trains on.
     task = make_task(config.task, config.seed + 1)

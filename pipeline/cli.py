@@ -18,19 +18,21 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from redumix.common.files import atomic_write_text
 from redumix.common.ranks import print0, rank
 from redumix.pipeline import reference
 from redumix.pipeline.config import Config, load_config
 from redumix.pipeline.decoders import DECODERS
 from redumix.pipeline.lock import RunFolderBusy, run_folder_lock
-from redumix.pipeline.resolve import ConfigError, config_to_yaml
+from redumix.pipeline.resolve import EXTENDS, ConfigError, changed_keys, config_to_yaml
 from redumix.pipeline.run import RunDir
 
 
 @dataclass(frozen=True)
 class Stage:
-    module: str  # imported only when the stage runs, so that `redumix base` does not pay for TRL and DeepSpeed
+    module: str  # imported only when the stage runs, so that `redumix embedded` does not pay for TRL and DeepSpeed
     function: str  # its `(config, run)` entry point in that module
     help: str
     ranked: bool = False  # `make STAGE NPROC=N` launches it on N ranks through torchrun
@@ -38,7 +40,7 @@ class Stage:
 
 # One line a stage: the Makefile reads its targets from these lines, so keep each entry on one line.
 STAGES: dict[str, Stage] = {
-    "base": Stage("redumix.embedded.stage", "run_base", "build the embedded default model"),
+    "embedded": Stage("redumix.pipeline.embedded_stage", "run_embedded", "build the embedded default model"),
     "harvest": Stage("redumix.pipeline.harvest", "run_harvest", "redos under p_mix, into Arrow shards", ranked=True),
     "train": Stage("redumix.pipeline.train", "run_train", "distil the stored p_mix into the model", ranked=True),
     "eval": Stage("redumix.pipeline.eval", "run_eval", "every decoder on the base and tuned checkpoints", ranked=True),
@@ -54,12 +56,12 @@ STAGES: dict[str, Stage] = {
 # A stage not named here lists every section. tests/test_cli.py checks each stage module's `config.<section>` reads.
 DECODER_SECTIONS = tuple(dict.fromkeys(e.section[0] for e in DECODERS.values() if e.section))
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "base": ("model", "base", "task"),
-    "harvest": ("model", "base", "task", "sampling", "redumix", "harvest"),
-    "train": ("model", "task", "harvest", "train"),
-    "eval": ("model", "base", "task", "sampling", *DECODER_SECTIONS, "eval"),
+    "embedded": ("model", "embedded", "task"),
+    "harvest": ("model", "embedded", "task", "sampling", "redumix", "harvest"),
+    "train": ("model", "embedded", "task", "harvest", "train"),
+    "eval": ("model", "embedded", "task", "sampling", *DECODER_SECTIONS, "eval"),
     "export": (),
-    "calibrate": ("model", "base", "task", "sampling", "reflective", "eval"),
+    "calibrate": ("model", "embedded", "task", "sampling", "reflective", "eval"),
 }
 DEFAULT_RECIPE = "tiny"
 
@@ -159,19 +161,38 @@ def quiet_libraries() -> None:
 
 def config_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="redumix config", description="Print the resolved config as YAML: defaults <- recipe <- overrides.")
+        prog="redumix config",
+        description="Print the resolved config as YAML: defaults <- recipe <- overrides. With --name, print a recipe "
+        "of your own instead: `extends:` the recipe, your name, and only the keys your overrides change.")
     _run_options(parser, recipe_default=None)
+    parser.add_argument("--name", help="write a recipe named NAME (its runs go to runs/NAME/) that extends --recipe "
+                        "and holds only what the overrides change")
     parser.add_argument("--markdown", action="store_true",
                         help="print the configuration reference (every key's type, default and help) as Markdown "
                         "instead: docs/config.md")
     args = parser.parse_intermixed_args(argv)
     if args.markdown:
-        if args.recipe or args.overrides:
-            parser.error("--markdown prints the reference of the defaults; it takes no --recipe or overrides")
+        if args.recipe or args.overrides or args.name:
+            parser.error("--markdown prints the reference of the defaults; it takes no --recipe, --name or overrides")
         print(reference.markdown(), end="")
         return 0
-    print(config_to_yaml(load_config(args.recipe or DEFAULT_RECIPE, args.overrides)), end="")
+    recipe = args.recipe or DEFAULT_RECIPE
+    if args.name is None:
+        print(config_to_yaml(load_config(recipe, args.overrides)), end="")
+        return 0
+    start = load_config(recipe)
+    mine = load_config(recipe, [*args.overrides, f"name={args.name}"])
+    print(own_recipe(recipe, mine, start), end="")
     return 0
+
+
+def own_recipe(recipe: str, mine: Config, start: Config) -> str:
+    """A recipe that extends `recipe` with what `mine` changes from `start` (its resolved config), its name first."""
+    changed = changed_keys(mine, start)
+    changed.pop("name", None)
+    head = (f"# {mine.name}: the recipe {recipe} with what differs below; `redumix config --recipe {mine.name}.yaml`"
+            " prints it resolved.\n")
+    return head + yaml.safe_dump({EXTENDS: recipe, "name": mine.name, **changed}, sort_keys=False)
 
 
 def decoders_command(argv: list[str]) -> int:

@@ -1,31 +1,35 @@
 """Config: the recipe's sections, composed. `load_config` resolves a recipe into `Config` (pipeline/resolve.py).
 
 Every section is a dataclass that lives next to the code it configures (the sampling policy in
-`generate/policy.py`, each decoder's settings in its module, the task's in `data/tasks.py`, ...). The decoders'
-sections come from the decoder table (pipeline/decoders.py) and the evidence arms from theirs
-(pipeline/evidence_arms.py): adding a decoder or an arm is one line there, with nothing to repeat here.
+`generate/policy.py`, each decoder's settings in its module, the task's in `data/tasks.py`, ...); `Config` names
+them all, so a type checker and an IDE see `config.redumix.lam`. A decoder with settings is its module, its line in
+the decoder table (pipeline/decoders.py) and its field here; an evidence arm is one line in
+pipeline/evidence_arms.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from redumix.data.tasks import TaskConfig
-from redumix.embedded.config import BaseConfig
+from redumix.embedded import EmbeddedConfig
+from redumix.generate.cntp import CntpConfig
 from redumix.generate.model_io import ModelConfig
+from redumix.generate.moi import MoiConfig
+from redumix.generate.pdr import PdrConfig
 from redumix.generate.policy import SamplingPolicy
-from redumix.pipeline.decoders import DEFAULT_DECODERS, decoder_sections, decoders_help
+from redumix.generate.redumix import RedumixConfig
+from redumix.generate.reflective import ReflectiveConfig
+from redumix.generate.speculative import SpeculativeConfig
+from redumix.pipeline.decoders import DEFAULT_DECODERS, decoders_help
 from redumix.pipeline.evidence_arms import ARMS, arms_help
 from redumix.pipeline.resolve import ConfigError, resolve
+from redumix.pipeline.run import REPO
 from redumix.train.config import TrainConfig
 
-# The repository's bundled recipes, found from this file (an editable install runs from the repository), so that
-# `--recipe tiny` works from any directory.
-REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 _SAFE_NAME = re.compile(r"(?!\.{1,2}$)[A-Za-z0-9._-]+")
 
@@ -147,8 +151,7 @@ class EvidenceConfig:
     variant_number_max: int = field(
         default=30,
         metadata={"help": "The held-out task variant no arm trains on: arith with start values and operands up to "
-                  "this (the tiny recipe trains on up to 20). One more step (4) was tried first: the base scored "
-                  "1.7% there, a floor that cannot show forgetting; numbers up to 30 give the base 25.7% (n=300)."},
+                  "this (the tiny recipe trains on up to 20); why 30: docs/measurements.md, 'The held-out variant'."},
     )
     drift_n: int = field(default=200, metadata={"help": "Test prompts on which KL(tuned ‖ base) is measured."})
     general_path: str | None = field(
@@ -171,50 +174,56 @@ class EvidenceConfig:
             raise ValueError("; ".join(problems))
 
 
-def _check_name(config: Config) -> None:
-    # The run folder defaults to runs/<name>: a name with a path in it would write outside runs/.
-    if config.name and not _SAFE_NAME.fullmatch(config.name):
-        raise ValueError(f"name {config.name!r} must be letters, digits, '.', '_' or '-' (it names the folder "
-                         "runs/<name>); use --run-dir to choose another folder")
+@dataclass
+class Config:
+    """The recipe: its sections in order. A decoder with settings reads its own section (its `DECODERS` line names
+    the key), so adding one costs its module, its table line and one field here; tests/test_extending.py checks that
+    every section a table line names is a field."""
 
+    name: str = field(default="", metadata={"help": "Run name; defaults to the recipe file's stem."})
+    seed: int = field(
+        default=0,
+        metadata={"help": "The run's one seed: which problems, the embedded model's and trainer's initialisation and "
+                  "data order, and every example's sampling noise (each example derives its own from it and its id)."},
+    )
+    model: ModelConfig = field(default_factory=ModelConfig)
+    embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sampling: SamplingPolicy = field(default_factory=SamplingPolicy)
+    # The decoders' sections, in the table's order (pipeline/decoders.py).
+    redumix: RedumixConfig = field(default_factory=RedumixConfig)
+    moi: MoiConfig = field(default_factory=MoiConfig)
+    cntp: CntpConfig = field(default_factory=CntpConfig)
+    pdr: PdrConfig = field(default_factory=PdrConfig)
+    reflective: ReflectiveConfig = field(default_factory=ReflectiveConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    harvest: HarvestConfig = field(default_factory=HarvestConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    rounds: RoundsConfig = field(default_factory=RoundsConfig)
+    evidence: EvidenceConfig = field(default_factory=EvidenceConfig)
 
-def _section(cls: type) -> dataclasses.Field:
-    return field(default_factory=cls)
-
-
-# The recipe's sections in order; the decoders' sections (redumix, moi, cntp, pdr, reflective) come from their table.
-Config = dataclasses.make_dataclass(
-    "Config",
-    [
-        ("name", str, field(default="", metadata={"help": "Run name; defaults to the recipe file's stem."})),
-        ("seed", int, field(
-            default=0,
-            metadata={"help": "The run's one seed: which problems, the base's and trainer's initialisation and data "
-                      "order, and every example's sampling noise (each example derives its own from it and its id)."},
-        )),
-        ("model", ModelConfig, _section(ModelConfig)),
-        ("base", BaseConfig, _section(BaseConfig)),
-        ("task", TaskConfig, _section(TaskConfig)),
-        ("sampling", SamplingPolicy, _section(SamplingPolicy)),
-        *[(key, cls, _section(cls)) for key, cls in decoder_sections().items()],
-        ("harvest", HarvestConfig, _section(HarvestConfig)),
-        ("train", TrainConfig, _section(TrainConfig)),
-        ("eval", EvalConfig, _section(EvalConfig)),
-        ("rounds", RoundsConfig, _section(RoundsConfig)),
-        ("evidence", EvidenceConfig, _section(EvidenceConfig)),
-    ],
-    namespace={"__post_init__": _check_name},
-)
-Config.__module__ = __name__
+    def __post_init__(self) -> None:
+        # The run folder defaults to runs/<name>: a name with a path in it would write outside runs/.
+        if self.name and not _SAFE_NAME.fullmatch(self.name):
+            raise ValueError(f"name {self.name!r} must be letters, digits, '.', '_' or '-' (it names the folder "
+                             "runs/<name>); use --run-dir to choose another folder")
 
 
 def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:
     """Defaults <- recipe YAML <- overrides (pipeline/resolve.py). Raises ConfigError listing every problem."""
     recipe = find_recipe(recipe) if recipe is not None else None
-    config = resolve(Config, recipe, overrides)
+    config = resolve(Config, recipe, overrides, find=find_extended)
     if not config.name:
         config.name = Path(recipe).stem if recipe is not None else "default"
     return config
+
+
+def find_extended(name: str, folder: Path) -> Path:
+    """The recipe that another (in `folder`) `extends`: a path relative to that recipe's folder, else as
+    `find_recipe` finds one."""
+    beside = folder / name
+    return beside if beside.is_file() else find_recipe(name)
 
 
 def bundled_recipes() -> list[str]:

@@ -26,10 +26,12 @@ from redumix.generate.plain import PlainDecoder
 from redumix.generate.redumix import RedumixConfig, RedumixDecoder
 from redumix.generate.reflective import ReflectiveConfig, ReflectiveDecoder
 from redumix.generate.reflective_tuning import matched_ablations
+from redumix.generate.report_details import GUIDE, REDO, REFINE, REFLECTION, ReportDetails
 from redumix.generate.speculative import GuideGreedyDecoder, SpeculativeConfig, SpeculativeDecoder
-from redumix.pipeline.records import model_identity
+from redumix.pipeline.lineage import model_id
+from redumix.pipeline.run import REPO
 
-if TYPE_CHECKING:  # pipeline/config.py builds Config from this table, so it is imported here for types only
+if TYPE_CHECKING:  # for types only: Config's eval section takes its default and help from this table
     from redumix.pipeline.config import Config
 
 # (config, the decoder's name as listed, records of the decoders already run on this checkpoint) -> decoder
@@ -43,6 +45,16 @@ class DecoderEntry:
     suffix: str  # what may follow its name after '@' ("@λ", "@N"), or "" for nothing
     help: str
     default: bool = True  # in eval's default run
+    details: ReportDetails | None = None  # what its records' `extra` adds to its report row
+
+
+# The decoder every other decoder is compared with, on the examples both scored (eval's paired columns).
+BASELINE = "greedy"
+
+
+def family(name: str) -> str:
+    """The table's name of a decoder as listed (`redumix-oracle@0.3` -> `redumix-oracle`)."""
+    return name.partition("@")[0]
 
 
 # --- factories ------------------------------------------------------------------------------------------------------
@@ -120,19 +132,18 @@ def _matched(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decod
 
 
 def _guide(config: Config) -> tuple[str, str]:
-    """The guide's folder, resolved as `base.shipped` is (a relative path missing here is read from the repository),
-    and its identity."""
+    """The guide's folder, resolved as `embedded.shipped` is (a relative path missing here is read from the
+    repository), and its identity."""
     if config.speculative.guide_path is None:
         raise ValueError("speculative.guide_path is not set: the speculative decoders and guide-greedy need a guide "
                          "model folder (the same tokenizer as model.path, a larger model)")
     folder = Path(config.speculative.guide_path)
-    repo = Path(__file__).resolve().parents[1]  # pipeline/config.py's REPO (it imports this file, so not from there)
-    if not folder.exists() and (repo / folder).exists():
-        folder = repo / folder
+    if not folder.exists() and (REPO / folder).exists():
+        folder = REPO / folder
     if not (folder / "config.json").is_file():
         raise ValueError(f"speculative.guide_path={config.speculative.guide_path}: no model there (expected a Hugging "
                          "Face folder with config.json)")
-    return str(folder), model_identity(folder)
+    return str(folder), model_id(folder) or ""
 
 
 def _speculative(config: Config, name: str, earlier: dict[str, list[dict]]) -> Decoder:
@@ -176,25 +187,32 @@ DECODERS: dict[str, DecoderEntry] = {
     "sample": DecoderEntry(None, _sample, "", "plain sampling at eval.sample_temperature"),
     "longhand": DecoderEntry(None, _longhand, "", "greedy, asked to work the long way (visible long-hand CoT)"),
     "redumix-oracle": DecoderEntry(REDUMIX, _redumix("verifier"), "@λ",
-                                   "ReDuMix with the task's verifier feedback (it knows the answer); @λ sets λ"),
-    "redumix-self": DecoderEntry(REDUMIX, _redumix("self"), "@λ", "ReDuMix with the model's own critique as feedback"),
+                                   "ReDuMix with the task's verifier feedback (it knows the answer); @λ sets λ",
+                                   details=REDO),
+    "redumix-self": DecoderEntry(REDUMIX, _redumix("self"), "@λ", "ReDuMix with the model's own critique as feedback",
+                                 details=REDO),
     "moi": DecoderEntry(MOI, _moi, "", "Mixture of Inputs"),
     "cntp": DecoderEntry(CNTP, _cntp, "", "Cautious Next Token Prediction: lowest-perplexity trial where unsure"),
-    "vote": DecoderEntry(PDR, _vote, "@N", "self-consistency: majority of N sampled answers (pdr.drafts)"),
-    "pdr": DecoderEntry(PDR, _pdr, "", "Parallel-Distill-Refine"),
-    "sr": DecoderEntry(PDR, _sr, "", "Sequential Refinement: PDR with one draft"),
-    "reflective": DecoderEntry(REFLECTIVE, _reflective, "", "hidden-KV Reflective Decoding, gated by uncertainty"),
-    "reflective-periodic": DecoderEntry(REFLECTIVE, _matched, "", "ablation: reflect periodically (after reflective)"),
-    "reflective-random": DecoderEntry(REFLECTIVE, _matched, "", "ablation: reflect at random (after reflective)"),
-    "reflective-fixed": DecoderEntry(REFLECTIVE, _matched, "", "ablation: one fixed-length span (after reflective)"),
+    "vote": DecoderEntry(PDR, _vote, "@N", "self-consistency: majority of N sampled answers (pdr.drafts)",
+                         details=REFINE),
+    "pdr": DecoderEntry(PDR, _pdr, "", "Parallel-Distill-Refine", details=REFINE),
+    "sr": DecoderEntry(PDR, _sr, "", "Sequential Refinement: PDR with one draft", details=REFINE),
+    "reflective": DecoderEntry(REFLECTIVE, _reflective, "", "hidden-KV Reflective Decoding, gated by uncertainty",
+                               details=REFLECTION),
+    "reflective-periodic": DecoderEntry(REFLECTIVE, _matched, "", "ablation: reflect periodically (after reflective)",
+                                        details=REFLECTION),
+    "reflective-random": DecoderEntry(REFLECTIVE, _matched, "", "ablation: reflect at random (after reflective)",
+                                      details=REFLECTION),
+    "reflective-fixed": DecoderEntry(REFLECTIVE, _matched, "", "ablation: one fixed-length span (after reflective)",
+                                     details=REFLECTION),
     "guide-greedy": DecoderEntry(SPECULATIVE, _guide_greedy, "", "greedy by the guide model alone "
-                                 "(needs speculative.guide_path; not run by default)", default=False),
+                                 "(needs speculative.guide_path; not run by default)", default=False, details=GUIDE),
     "speculative-thinking": DecoderEntry(SPECULATIVE, _speculative, "", "Speculative Thinking: a guide model writes "
                                          "the steps that open reflectively (needs speculative.guide_path; not run "
-                                         "by default)", default=False),
+                                         "by default)", default=False, details=GUIDE),
     "speculative-random": DecoderEntry(SPECULATIVE, _speculative_random, "", "ablation: random handovers at its "
                                        "guide budget (after speculative-thinking; not run by default)",
-                                       default=False),
+                                       default=False, details=GUIDE),
 }
 
 # Eval's default: every decoder but those that need a second model, with the oracle at λ = 1 (plain decoding), the
@@ -241,4 +259,4 @@ def make_decoder(
     config: Config, name: str, earlier: dict[str, list[dict]], table: dict[str, DecoderEntry] = DECODERS
 ) -> Decoder:
     """The decoder listed as `name` (a suffix included), built by its table entry."""
-    return table[name.partition("@")[0]].make(config, name, earlier)
+    return table[family(name)].make(config, name, earlier)

@@ -27,15 +27,15 @@ from redumix.common.files import atomic_write_bytes, atomic_write_json, atomic_w
 from redumix.common.ranks import barrier, init_distributed, peak_rss_mb, print0, rank, world_size
 from redumix.data.task import Task
 from redumix.data.tasks import flat_settings, make_task
-from redumix.embedded.stage import ensure_base
 from redumix.generate.decoder import fingerprint
 from redumix.generate.model_io import load_model
 from redumix.pipeline.config import Config
-from redumix.pipeline.decoders import DECODERS, DecoderEntry, check_decoder_names, make_decoder
+from redumix.pipeline.decoders import BASELINE, DECODERS, DecoderEntry, check_decoder_names, family, make_decoder
+from redumix.pipeline.embedded_stage import ensure_embedded
 from redumix.pipeline.lineage import file_id, harvest_id, model_id
 from redumix.pipeline.plot import plot_accuracy_vs_fpe
 from redumix.pipeline.preflight import check_inputs
-from redumix.pipeline.records import make_record, model_identity, read_records, records_path, score_resumable
+from redumix.pipeline.records import make_record, read_records, records_path, score_resumable
 from redumix.pipeline.report import (
     reflection_diagnostics,
     report_markdown,
@@ -55,7 +55,7 @@ def run_eval(
     check_decoder_names(config.eval.decoders, decoders)
     check_decoder_names(config.eval.tuned_decoders, decoders)
     init_distributed()
-    ensure_base(config, run)
+    ensure_embedded(config, run)
     out = run.eval
     checkpoints = available_checkpoints(config, run)
     report_path = out / "report.json"
@@ -76,7 +76,8 @@ def run_eval(
             continue  # rank 0 writes the report
         every_record[checkpoint] = records
         for decoder, recs in records.items():
-            rows.append(summarize(checkpoint, decoder, recs, greedy=records.get("greedy")))
+            rows.append(summarize(checkpoint, decoder, recs, greedy=records.get(BASELINE),
+                                  details=DECODERS[family(decoder)].details))
             found = reflection_diagnostics(recs)
             if found is not None:
                 diagnostics[f"{checkpoint}/{decoder}"] = found
@@ -113,13 +114,13 @@ def evaluate_checkpoint(
 ) -> dict[str, list[dict]]:
     """Every listed decoder on one checkpoint, in order; a decoder may be built from the records before it."""
     model, tokenizer = load_model(path, config.model)
-    model_id = model_identity(path)
+    weights = model_id(path)
     examples = task.examples(config.eval.split, max(config.eval.n, config.eval.n_other))
     results: dict[str, list[dict]] = {}
     for name in decoders_for(config, checkpoint):
         decoder = make_decoder(config, name, results, decoders)
-        identity = f"{model_id}:{fingerprint(decoder)}:{task_fingerprint(config, task)}"
-        count = config.eval.n if name == "greedy" else config.eval.n_other
+        identity = f"{weights}:{fingerprint(decoder)}:{task_fingerprint(config, task)}"
+        count = config.eval.n if name == BASELINE else config.eval.n_other
         path = records_path(run.eval / "generations", checkpoint, name)
         # Each rank scores every world_size-th example into its own part file; rank 0 gathers them in order.
         wanted = examples[:count]
@@ -187,6 +188,6 @@ def eval_fingerprint(config: Config, task: Task, checkpoints: dict[str, Path]) -
     """
     settings = {k: v for k, v in dataclasses.asdict(config).items() if k != "name"}
     settings["task"] = flat_settings(config.task)  # the layout reports were fingerprinted with before task sections
-    models = {k: model_identity(v) for k, v in checkpoints.items()}
+    models = {k: model_id(v) for k, v in checkpoints.items()}
     decisive = {"config": settings, "task": task.name, "models": models}
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:16]

@@ -27,21 +27,22 @@ from typing import Any
 
 from redumix.common.files import atomic_write_json, atomic_write_text, read_json
 from redumix.common.ranks import print0
-from redumix.embedded.stage import ensure_base
 from redumix.pipeline.config import Config
+from redumix.pipeline.decoders import BASELINE
 from redumix.pipeline.drift import drift_measures, greedy_answers, read_general_set
+from redumix.pipeline.embedded_stage import ensure_embedded
 from redumix.pipeline.eval import run_eval
 from redumix.pipeline.evidence_arms import ARMS, HARVESTS
 from redumix.pipeline.harvest import run_harvest
 from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.resolve import config_to_yaml
-from redumix.pipeline.run import RunDir, model_path
+from redumix.pipeline.run import EMBEDDED, RunDir, model_path
 from redumix.pipeline.stats import mcnemar_exact_p, wilson_interval
 from redumix.pipeline.train import run_train
 
 
 def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
-    ensure_base(config, run)
+    ensure_embedded(config, run)
     base = model_path(config.model.path, run).resolve()
     ev = config.evidence
     folder = run.root / "evidence"
@@ -77,8 +78,8 @@ def harvest_for(config: Config, run: RunDir, kind: str) -> Path:
         run_harvest(config, run)
         return run.harvest
     here = RunDir(run.root / "evidence" / f"harvest-{kind}")
-    settings = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(run.base.resolve()))
-                                   if config.model.path == "base" else config.model,
+    settings = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(run.embedded.resolve()))
+                                   if config.model.path == EMBEDDED else config.model,
                                    redumix=dataclasses.replace(config.redumix, **HARVESTS[kind]))
     here.root.mkdir(parents=True, exist_ok=True)
     atomic_write_text(here.config, config_to_yaml(settings))
@@ -105,7 +106,7 @@ def eval_greedy_and_drift(
     """Greedy on the test split and (on arith) on the held-out variant; for a tuned model, its drift from the base.
     For the base itself, its greedy answers to the general set's questions, which every arm's off-task KL reads."""
     ev = config.evidence
-    greedy_only = dataclasses.replace(config.eval, decoders=["greedy"], tuned_decoders=[], n=ev.n, n_other=ev.n,
+    greedy_only = dataclasses.replace(config.eval, decoders=[BASELINE], tuned_decoders=[], n=ev.n, n_other=ev.n,
                                       checkpoints=[checkpoint])
     run_eval(dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(model)),
                                  eval=greedy_only), here)
@@ -146,7 +147,7 @@ def saved_answers(here: RunDir, questions: list[str]) -> list[list[int]] | None:
 
 
 def greedy_records(here: RunDir, checkpoint: str) -> list[dict]:
-    return read_records(records_path(here.eval / "generations", checkpoint, "greedy"))
+    return read_records(records_path(here.eval / "generations", checkpoint, BASELINE))
 
 
 # --- the summary ------------------------------------------------------------------------------------------------

@@ -30,10 +30,10 @@ from redumix.data.shards import (
 )
 from redumix.data.task import Example, Task
 from redumix.data.tasks import make_task
-from redumix.embedded.stage import ensure_base
 from redumix.generate.model_io import load_model, stop_token_ids
 from redumix.generate.redumix import FeedbackFn, RedumixResult, redumix_generate, task_feedback
 from redumix.pipeline.config import Config
+from redumix.pipeline.embedded_stage import ensure_embedded
 from redumix.pipeline.harvest_folder import (
     check_fingerprint,
     claim_folder,
@@ -67,7 +67,7 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
                 (out / name).unlink(missing_ok=True)
             manifest_path.unlink()
         barrier()
-    ensure_base(config, run)
+    ensure_embedded(config, run)
     # Every input is checked before the folder is claimed, so a fixed rerun is not refused as another config.
     skip = config.harvest.skip
     examples = task.examples(config.harvest.split, skip + config.harvest.n)[skip:]

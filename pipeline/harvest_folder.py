@@ -20,6 +20,7 @@ from redumix.data.task import Task
 from redumix.data.tasks import flat_settings
 from redumix.pipeline.config import Config
 from redumix.pipeline.resolve import config_to_yaml
+from redumix.pipeline.run import EMBEDDED
 from redumix.pipeline.stats import newcombe_paired_interval
 
 
@@ -34,10 +35,9 @@ def harvest_settings(config: Config, task: Task) -> dict:
     return {
         "task_name": task.name,
         "seed": config.seed,
-        # compile_decoding changes speed and float rounding only, as the batch size does: a harvest may resume with
-        # it switched.
-        "model": {k: v for k, v in asdict(config.model).items() if k != "compile_decoding"},
-        "base": _flat(asdict(config.base)) if config.model.path == "base" else None,
+        "model": model_settings(config),
+        # the section's key and layout before it had its own name and subsections: older harvests still resume
+        "base": _flat(asdict(config.embedded)) if config.model.path == EMBEDDED else None,
         "task": flat_settings(config.task),  # the flat layout harvests were fingerprinted with before
         "sampling": asdict(config.sampling),
         "redumix": asdict(config.redumix),
@@ -45,6 +45,16 @@ def harvest_settings(config: Config, task: Task) -> dict:
                     # only when set, so that harvests made before `skip` existed keep their fingerprint
                     **({"skip": config.harvest.skip} if config.harvest.skip else {})},
     }
+
+
+def model_settings(config: Config) -> dict:
+    """The model section as harvests were fingerprinted with it. compile_decoding changes speed and float rounding
+    only, as the batch size does, so a harvest may resume with it switched. The embedded model's path is recorded as
+    'base', its name before the rename, so that its harvests keep their fingerprint."""
+    model = {k: v for k, v in asdict(config.model).items() if k != "compile_decoding"}
+    if model["path"] == EMBEDDED:
+        model["path"] = "base"
+    return model
 
 
 def _flat(section: dict) -> dict:

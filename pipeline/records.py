@@ -1,11 +1,11 @@
 """Eval's resumable record store: one JSON Lines file per (checkpoint, decoder), rewritten atomically after each
-batch. A record belongs to the model and decoder settings it was made with (its `model` key); records made with
-anything else are ignored, so a rerun after a crash scores only what is missing.
+batch. A record belongs to the model and decoder settings it was made with (its `model` key: the weights' content
+hash, `lineage.model_id`, and the decoder's and task's fingerprints); records made with anything else are ignored, so
+a rerun after a crash scores only what is missing.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -16,15 +16,6 @@ from tqdm import tqdm
 from redumix.common.files import atomic_write_bytes
 from redumix.data.task import Example, Task
 from redumix.generate.decoder import Decoded
-
-
-def model_identity(path: Path) -> str:
-    """Changes when the checkpoint is rebuilt (a retrained tuned model must not reuse old records)."""
-    parts = []
-    for f in sorted(Path(path).glob("*.safetensors")) + [Path(path) / "config.json"]:
-        stat = f.stat()
-        parts.append(f"{f.name}:{stat.st_size}:{stat.st_mtime_ns}")
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
 def records_path(folder: Path, checkpoint: str, decoder: str) -> Path:

@@ -16,12 +16,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from redumix.generate.report_details import ReportDetails
+from redumix.pipeline.decoders import BASELINE, DECODERS, DecoderEntry, family
 from redumix.pipeline.stats import mcnemar_exact_p, newcombe_paired_interval, pareto_front, quantiles, wilson_interval
 
 
-def summarize(checkpoint: str, decoder: str, records: list[dict], greedy: list[dict] | None = None) -> dict[str, Any]:
+def summarize(
+    checkpoint: str, decoder: str, records: list[dict], greedy: list[dict] | None = None,
+    details: ReportDetails | None = None,
+) -> dict[str, Any]:
     """One report row. With `greedy` (the greedy records of the same checkpoint) a decoder other than greedy also
-    gets the paired comparison of `paired_with_greedy`; without it, or when nothing pairs, those keys are absent."""
+    gets the paired comparison of `paired_with_greedy`; without it, or when nothing pairs, those keys are absent.
+    `details` is what the decoder's table line declares its records' `extra` adds (generate/report_details.py)."""
     n = len(records)
     right = sum(r["correct"] for r in records)
     low, high = wilson_interval(right, n)
@@ -40,24 +46,8 @@ def summarize(checkpoint: str, decoder: str, records: list[dict], greedy: list[d
         "wall_s": round(wall, 2),
         "tokens_per_s": tokens / wall if wall else 0.0,
     }
-    # Details come from what the decoder kept per record, not from its name.
-    extras = [r["extra"] for r in records]
-    if extras and all("original_correct" in x for x in extras):
-        row["fixed"] = sum(r["correct"] and not r["extra"]["original_correct"] for r in records)
-        row["broken"] = sum(r["extra"]["original_correct"] and not r["correct"] for r in records)
-    if extras and all("longest_context" in x for x in extras):
-        row["longest_context"] = max((r["extra"]["longest_context"] for r in records), default=0)
-        per_round = [r["extra"]["tokens_per_round"] for r in records]
-        row["tokens_per_round"] = [sum(x) / len(per_round) for x in zip(*per_round, strict=True)] if per_round else []
-    if extras and all("n_reflections" in x for x in extras):
-        row["reflections_per_example"] = sum(r["extra"]["n_reflections"] for r in records) / max(n, 1)
-        row["hidden_tokens_per_example"] = sum(r["extra"]["hidden_tokens"] for r in records) / max(n, 1)
-    if extras and all("fpe_guide" in x for x in extras):  # two models: each one's share, per example
-        for key in ("fpe_small", "fpe_guide", "tokens_small", "tokens_guide"):
-            row[key] = sum(x[key] for x in extras) / max(n, 1)
-        row["guide_share"] = sum(x["tokens_guide"] for x in extras) / max(1, tokens)
-        row["guide_steps_per_example"] = sum(x["guide_steps"] for x in extras) / max(n, 1)
-        row["delimiter_points_per_example"] = sum(x["delimiter_points"] for x in extras) / max(n, 1)
+    if details is not None and records:  # what the decoder declared its records' `extra` adds
+        row.update(details.summarize(records, n, tokens))
     if records and all("sub_scores" in r for r in records):
         row["sub_scores"] = sub_score_rates(records)
     if greedy and decoder != BASELINE:
@@ -78,9 +68,6 @@ def sub_score_rates(records: list[dict]) -> dict[str, dict[str, Any]]:
 
 
 # --- paired comparison with greedy ----------------------------------------------------------------------------------
-
-BASELINE = "greedy"  # the decoder every other decoder is compared with, on the examples both scored
-
 
 def paired_with_greedy(records: list[dict], greedy: list[dict]) -> dict[str, Any]:
     """A decoder against greedy on the examples both scored (matched by record id; greedy usually ran on more).
@@ -152,7 +139,7 @@ def reflection_diagnostics(records: list[dict]) -> dict | None:
     return {"delta_uncertainty": quantiles(du), "delta_nll": quantiles(dn)}
 
 
-def report_markdown(report: dict) -> str:
+def report_markdown(report: dict, table: dict[str, DecoderEntry] = DECODERS) -> str:
     lines = [
         f"# redumix eval: {report['task']} ({report['split']} split)",
         "",
@@ -176,25 +163,13 @@ def report_markdown(report: dict) -> str:
     if not report["rows"]:
         lines += ["", "No decoder ran: `eval.decoders` (or the checkpoints) left nothing to evaluate."]
     lines += _tuned_vs_base_markdown(report.get("tuned_vs_base", []))  # reports written before it have none
-    extras = [r for r in report["rows"] if "fixed" in r or "longest_context" in r or "reflections_per_example" in r
-              or "fpe_guide" in r]
-    if extras:
-        lines += ["", "| checkpoint | decoder | details |", "|---|---|---|"]
-        for r in extras:
-            if "fixed" in r:
-                detail = f"fixed {r['fixed']}, broke {r['broken']} (vs. its own first attempt)"
-            elif "longest_context" in r:
-                rounds = ", ".join(f"{t:.0f}" for t in r["tokens_per_round"])
-                detail = f"tokens per round [{rounds}], longest context {r['longest_context']}"
-            elif "fpe_guide" in r:
-                detail = (f"FPE small {r['fpe_small']:.0f} + guide {r['fpe_guide']:.0f}; tokens small "
-                          f"{r['tokens_small']:.1f} + guide {r['tokens_guide']:.1f} (guide share "
-                          f"{r['guide_share']:.1%}); {r['guide_steps_per_example']:.2f} guide steps at "
-                          f"{r['delimiter_points_per_example']:.2f} delimiter points per example")
-            else:
-                detail = (f"{r['reflections_per_example']:.2f} reflections and "
-                          f"{r['hidden_tokens_per_example']:.1f} hidden tokens per example")
-            lines.append(f"| {r['checkpoint']} | {r['decoder']} | {detail} |")
+    described = []  # (row, its decoder's details line) where the decoder declares details and ran on examples
+    for r in report["rows"]:
+        entry = table.get(family(r["decoder"]))
+        if r["accuracy"] is not None and entry is not None and entry.details is not None:
+            described.append(f"| {r['checkpoint']} | {r['decoder']} | {entry.details.describe(r)} |")
+    if described:
+        lines += ["", "| checkpoint | decoder | details |", "|---|---|---|", *described]
     lines += _sub_scores_markdown(report["rows"])
     lines += _paired_markdown(report["rows"]) + _pareto_markdown(report["rows"])
     if report["diagnostics"]:

@@ -24,25 +24,25 @@ class ConfigError(ValueError):
     """A recipe or override is wrong. The message lists every problem, one per line."""
 
 
-def resolve(cls: type[T], recipe: str | Path | None, overrides: list[str] = ()) -> T:
-    """Defaults of `cls` <- recipe YAML <- overrides. Raises ConfigError listing every problem."""
+# Keys that were renamed: the old spelling's error names the new one.
+RENAMED = {"base": "embedded", "train.lmbda": "train.on_policy_share"}
+
+
+# A recipe may start from another: `extends: NAME_OR_PATH` reads that recipe first and this file's keys on top (what
+# `redumix config --recipe R --name N key=value` writes: only what differs from R).
+EXTENDS = "extends"
+
+
+def resolve(
+    cls: type[T], recipe: str | Path | None, overrides: list[str] = (),
+    find: typing.Callable[[str, Path], Path] | None = None,
+) -> T:
+    """Defaults of `cls` <- recipe YAML (after the recipes it extends) <- overrides. Raises ConfigError listing every
+    problem. `find(name, folder)` locates a recipe that another extends (a path, relative to the extending file's
+    folder, or a bundled recipe's name)."""
     errors: list[str] = []
-    raw: dict[str, Any] = {}
     origin: dict[str, str] = {}  # dotted key -> where its value came from, for error messages
-    if recipe is not None:
-        recipe = Path(recipe)
-        if not recipe.is_file():
-            raise ConfigError(
-                f"recipe not found: {recipe} (pass --recipe PATH to a YAML file, e.g. recipes/tiny.yaml)"
-            )
-        try:
-            loaded = yaml.safe_load(recipe.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(_yaml_error(recipe, exc)) from exc
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{recipe}: the top level must be a mapping of sections, got {type(loaded).__name__}")
-        raw = loaded
-        _record_origin(raw, str(recipe), "", origin)
+    raw = read_recipe(Path(recipe), origin, find) if recipe is not None else {}
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
@@ -54,6 +54,57 @@ def resolve(cls: type[T], recipe: str | Path | None, overrides: list[str] = ()) 
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     return config
+
+
+def read_recipe(
+    recipe: Path, origin: dict[str, str], find: typing.Callable[[str, Path], Path] | None = None,
+    extended_by: tuple[Path, ...] = (),
+) -> dict[str, Any]:
+    """A recipe file's mapping, on top of the recipe it `extends` (recursively); `origin` learns each key's file."""
+    if not recipe.is_file():
+        raise ConfigError(f"recipe not found: {recipe} (pass --recipe PATH to a YAML file, e.g. recipes/tiny.yaml)")
+    try:
+        loaded = yaml.safe_load(recipe.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(_yaml_error(recipe, exc)) from exc
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{recipe}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+    parent = loaded.pop(EXTENDS, None)
+    raw: dict[str, Any] = {}
+    if parent is not None:
+        if not isinstance(parent, str) or find is None:
+            raise ConfigError(f"{recipe}: {EXTENDS!r} must name one recipe (a path or a bundled recipe's name)")
+        path = find(parent, recipe.parent).resolve()
+        if path in extended_by or path == recipe.resolve():
+            raise ConfigError(f"{recipe}: {EXTENDS}: {parent} extends this recipe again (a cycle); remove one")
+        raw = read_recipe(path, origin, find, (*extended_by, recipe.resolve()))
+        raw.pop("name", None)  # a recipe is named by itself (or its file's stem), never after the one it extends
+    _record_origin(loaded, str(recipe), "", origin)
+    return _merged(raw, loaded)
+
+
+def _merged(below: dict[str, Any], above: dict[str, Any]) -> dict[str, Any]:
+    """`above`'s keys on top of `below`'s, section by section."""
+    out = dict(below)
+    for key, value in above.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def changed_keys(resolved: Any, start: Any) -> dict[str, Any]:
+    """The nested mapping of the keys whose value in `resolved` differs from `start` (two configs of one class)."""
+    def walk(a: dict, b: dict) -> dict:
+        out = {}
+        for key, value in a.items():
+            if isinstance(value, dict) and isinstance(b.get(key), dict):
+                inner = walk(value, b[key])
+                if inner:
+                    out[key] = inner
+            elif b.get(key) != value:
+                out[key] = value
+        return out
+
+    return walk(dataclasses.asdict(resolved), dataclasses.asdict(start))
 
 
 def _yaml_error(recipe: Path, exc: yaml.YAMLError) -> str:
@@ -114,8 +165,10 @@ def _build(cls: type, raw: Any, prefix: str, origin: dict[str, str], errors: lis
             # A key one level down (a recipe written before `task.steps_min` became `task.arith.steps_min`)
             deeper = [f"{name}.{key}" for name in known if dataclasses.is_dataclass(hints[name])
                       and key in {f.name for f in dataclasses.fields(hints[name])}]
-            close = deeper or difflib.get_close_matches(str(key), known, n=1)
-            hint = f" (did you mean {prefix + close[0]!r}?)" if close else f" (known: {', '.join(known)})"
+            renamed = [RENAMED[dotted]] if dotted in RENAMED else []
+            close = renamed or deeper or difflib.get_close_matches(str(key), known, n=1)
+            shown = close[0] if renamed else prefix + close[0] if close else ""
+            hint = f" (did you mean {shown!r}?)" if close else f" (known: {', '.join(known)})"
             errors.append(f"{_where(origin, dotted)}: unknown key {dotted!r}{hint}")
     kwargs = {}
     for name in known:

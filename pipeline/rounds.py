@@ -1,7 +1,7 @@
 """`redumix rounds`: harvest -> train -> eval, round after round; round r+1 starts from round r's tuned model.
 
 RUN_DIR/rounds/round-R/ is a run folder of its own (harvest/, train/, eval/, logs/, config.yaml):
-- round 1 starts from `model.path` (the embedded base by default, built or copied into RUN_DIR/base first);
+- round 1 starts from `model.path` (the embedded base by default, built or copied into RUN_DIR/embedded first);
   round R+1 harvests from, and trains, round R's `train/merged`;
 - round R harvests the train split's problems [(R-1)·n, R·n) (`harvest.skip`), so no round relearns the rows an
   earlier round trained on;
@@ -22,10 +22,10 @@ from typing import Any
 
 from redumix.common.files import atomic_write_json, atomic_write_text, read_json, read_json_or_none
 from redumix.common.ranks import print0, rank
-from redumix.embedded.stage import ensure_base
 from redumix.pipeline.config import Config
-from redumix.pipeline.decoders import check_decoder_names
+from redumix.pipeline.decoders import BASELINE, DECODERS, check_decoder_names, family
 from redumix.pipeline.drift import drift_kl
+from redumix.pipeline.embedded_stage import ensure_embedded
 from redumix.pipeline.eval import run_eval
 from redumix.pipeline.harvest import run_harvest
 from redumix.pipeline.records import read_records, records_path
@@ -55,7 +55,7 @@ def run_rounds(config: Config, run: RunDir) -> dict[str, Any]:
     """Each round harvests with `rounds.harvester`, trains `rounds.restart` on its rows (and, with
     `rounds.accumulate`, every earlier round's), and evaluates what it trained."""
     check_decoder_names(config.rounds.decoders)
-    ensure_base(config, run)
+    ensure_embedded(config, run)
     first = model_path(config.model.path, run).resolve()
     last = first  # the model the latest round produced
     for index in range(1, config.rounds.count + 1):
@@ -103,7 +103,7 @@ def measure_drift(config: Config, here: RunDir, start: Path) -> dict[str, Any]:
     """KL(round ‖ start) per token on the round's own greedy answers to `evidence.drift_n` test prompts, once."""
     path = here.root / "drift.json"
     if not path.is_file():
-        records = _records(here, "tuned", "greedy")[: config.evidence.drift_n]
+        records = _records(here, "tuned", BASELINE)[: config.evidence.drift_n]
         kl = drift_kl(config, here.train / "merged", start, records)
         atomic_write_json(path, {"kl_round_start": kl, "prompts": len(records)})
     return read_json(path)
@@ -124,7 +124,7 @@ def summarize_rounds(config: Config, run: RunDir, done: int) -> dict[str, Any]:
             checkpoint])}
         records = {decoder: _records(here, checkpoint, decoder) for decoder in decoders}
         for decoder, recs in records.items():
-            summary = summarize(checkpoint, decoder, recs)
+            summary = summarize(checkpoint, decoder, recs, details=DECODERS[family(decoder)].details)
             row[decoder] = {k: summary[k] for k in ("accuracy", "n", "ci_low", "ci_high", "mean_tokens", "mean_fpe")}
             if index > 0:
                 row[decoder]["vs_previous"] = _paired(recs, previous[decoder])
@@ -132,8 +132,8 @@ def summarize_rounds(config: Config, run: RunDir, done: int) -> dict[str, Any]:
         if index > 0:
             row["lost"] = [d for d in decoders if any(c and c["high"] < 0 for c in (row[d]["vs_previous"],
                                                                                      row[d]["vs_start"]))]
-            if "greedy" in records and row["greedy"]["vs_previous"]:
-                row["improved"] = row["greedy"]["vs_previous"]["low"] > 0
+            if BASELINE in records and row[BASELINE]["vs_previous"]:
+                row["improved"] = row[BASELINE]["vs_previous"]["low"] > 0
             trained = read_json(here.train / "metrics.json")
             harvested = read_json(here.harvest / "manifest.json")
             row["heldout_kl"] = {"before": trained["heldout_kl_base"], "after": trained["heldout_kl_merged"]}
@@ -196,7 +196,7 @@ def rounds_markdown(summary: dict[str, Any]) -> str:
                    if h.get("original_accuracy") is not None else "–")
         rows = ", ".join(f"{k} {v}" for k, v in (t["rows"] or {}).items() if k not in ("harvested", "selected"))
         drift = f"{row['drift_kl']:.4f}" if row.get("drift_kl") is not None else "–"
-        tokens = f"{row['greedy']['mean_tokens']:.1f}" if "greedy" in row else "–"
+        tokens = f"{row[BASELINE]['mean_tokens']:.1f}" if BASELINE in row else "–"
         lines.append(f"| {row['round']} | {harvest} | {rows} | {t['steps']} | {t['wall_seconds']:.0f} | "
                      f"{kl['before']:.4f} → {kl['after']:.4f} | {drift} | {tokens} | "
                      f"{', '.join(row['lost']) or 'none'} |")

@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+# The repository (an editable install runs from it): bundled recipes and shipped models are found from here, so
+# that `--recipe tiny` works from any directory.
+REPO = Path(__file__).resolve().parents[1]
+# model.path's name for the embedded default model, built in RUN_DIR/embedded (pipeline/embedded_stage.py).
+EMBEDDED = "embedded"
+
 
 @dataclass(frozen=True)
 class RunDir:
@@ -15,8 +21,8 @@ class RunDir:
         return self.root / "config.yaml"
 
     @property
-    def base(self) -> Path:
-        return self.root / "base"
+    def embedded(self) -> Path:
+        return self.root / "embedded"
 
     @property
     def harvest(self) -> Path:
@@ -40,5 +46,10 @@ class RunDir:
 
 
 def model_path(setting: str, run: RunDir) -> Path:
-    """'base' names the embedded default in the run folder; anything else is a local model folder."""
-    return run.base if setting == "base" else Path(setting)
+    """`embedded` names the embedded default model in the run folder; anything else is a local model folder."""
+    if setting == EMBEDDED:
+        return run.embedded
+    if setting == "base" and not Path(setting).exists():
+        raise ValueError("model.path=embedded: the embedded default model is now spelled model.path=embedded (and its "
+                         "section `embedded:`); 'base' names the untuned checkpoint in eval's report")
+    return Path(setting)

@@ -29,14 +29,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from redumix.common.files import atomic_write_json, atomic_write_text, log_metrics, read_json, read_json_or_none
 from redumix.common.ranks import peak_rss_mb, print0, rank, world_size
 from redumix.data.tasks import make_task
-from redumix.embedded.replay import CONTEXT_ONLY, replay_conversations
+from redumix.embedded import CONTEXT_ONLY, replay_conversations
 from redumix.generate.model_io import load_tokenizer, load_weights, stop_token_ids
 from redumix.generate.policy import SamplingPolicy
 from redumix.pipeline.config import Config
 from redumix.pipeline.harvest_folder import check_harvest
 from redumix.pipeline.lineage import changed_inputs, harvest_id, model_id
 from redumix.pipeline.resolve import config_to_yaml
-from redumix.pipeline.run import RunDir
+from redumix.pipeline.run import EMBEDDED, RunDir, model_path
 from redumix.train.data import (
     build_examples,
     conversation_examples,
@@ -95,7 +95,8 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
     if tc.replay:
         wanted = round(len(train_examples) * tc.replay / (1 - tc.replay))
         context_only = frozenset(tokenizer.convert_tokens_to_ids(list(CONTEXT_ONLY)))
-        replay = conversation_examples(replay_conversations(config, wanted), tokenizer, tc.max_length, context_only)
+        replay = conversation_examples(replay_conversations(
+            config.task, config.embedded.corpus, config.seed, wanted), tokenizer, tc.max_length, context_only)
         train_examples = concatenate_datasets([train_examples, replay.cast(train_examples.features)])
         counts["replay"] = len(replay)
     print0(f"train: rows {counts} (filter '{tc.rows}', method '{tc.method}', target '{tc.target}', "
@@ -207,9 +208,11 @@ def forget_stale_outputs(out: Path, inputs: dict[str, str | None]) -> None:
 
 
 def base_model_path(config: Config, run: RunDir) -> Path:
-    path = run.base if config.model.path == "base" else Path(config.model.path)
+    """The checkpoint train starts from (the untuned base): model.path, or the embedded model in the run folder."""
+    path = model_path(config.model.path, run)
     if not (path / "config.json").is_file():
-        hint = "run `redumix base` first" if config.model.path == "base" else "set model.path to a local HF folder"
+        hint = ("run `redumix embedded` first" if config.model.path == EMBEDDED
+                else "set model.path to a local HF folder")
         raise FileNotFoundError(f"no model at {path} ({hint})")
     return path
 

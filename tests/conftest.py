@@ -44,6 +44,31 @@ def kill_when(process: subprocess.Popen, ready: Callable[[], bool], timeout: flo
     assert process.wait() == -signal.SIGKILL, "the process finished before the kill: nothing was interrupted"
 
 
+# What "the same rows after a resume" promises (docs/robustness.md): every id, text and verdict exactly; the stored
+# floats to their own precision, since two processes may compute the same float32 sum in another order. The top-k
+# log-probs are float16 (a step of 2**-10 relative); the tail is float32 from a logsumexp over the vocabulary.
+FLOAT_COLUMNS = {"mix_topk_logprobs": (2**-9, 1e-4), "mix_tail_logprob": (1e-5, 1e-5)}  # column: (rtol, atol)
+
+
+def rows_differ(a: list[dict], b: list[dict]) -> list[str]:
+    """Where two harvests' rows differ beyond FLOAT_COLUMNS' tolerances: [] when they are the same rows."""
+    if len(a) != len(b):
+        return [f"{len(a)} rows against {len(b)}"]
+    problems = []
+    for x, y in zip(a, b, strict=True):
+        for key in sorted(x.keys() | y.keys()):
+            if key not in FLOAT_COLUMNS:
+                if x.get(key) != y.get(key):
+                    problems.append(f"{x.get('id')}: {key} differs")
+                continue
+            left, right = torch.tensor(x[key], dtype=torch.float64), torch.tensor(y[key], dtype=torch.float64)
+            rtol, atol = FLOAT_COLUMNS[key]
+            if left.shape != right.shape or not torch.allclose(left, right, rtol=rtol, atol=atol):
+                gap = (left - right).abs().max().item() if left.shape == right.shape else "shape"
+                problems.append(f"{x.get('id')}: {key} differs beyond its tolerance (max |Δ| {gap})")
+    return problems
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return build_tiny_tokenizer()

@@ -48,14 +48,14 @@ def test_stage_help_lists_its_sections_keys_with_defaults_and_help(capsys):
     assert '  redumix.lam = 0.5  (float)' in out and '  seed = 0  (int)' in out
     assert "train.beta" not in out and "eval.n " not in out  # harvest reads neither section
     _, out, _ = run(capsys, "rounds", "--help")  # a stage not in SECTIONS lists every section
-    for section in ("model.path", "harvest.n", "train.beta", "eval.decoders", "evidence.seeds", "base.corpus."):
+    for section in ("model.path", "harvest.n", "train.beta", "eval.decoders", "evidence.seeds", "embedded.corpus."):
         assert section in out
 
 
 @pytest.mark.parametrize("stage", sorted(SECTIONS))
 def test_a_stage_module_reads_only_the_sections_its_help_lists(stage):
     """Each `config.<section>` that the stage's module reads is listed (helpers in other modules are checked by
-    hand: ensure_base reads model, base and task)."""
+    hand: ensure_embedded reads model, base and task)."""
     source = (ROOT / (STAGES[stage].module.removeprefix("redumix.").replace(".", "/") + ".py")).read_text()
     top = {s.dotted for s in reference.sections() if s.dotted and "." not in s.dotted}
     read = set(re.findall(r"\bconfig\.([a-z_]+)\b", source)) & top
@@ -141,12 +141,12 @@ def test_a_refused_harvest_names_the_keys_that_differ(tmp_path):
 
 
 def test_the_shipped_base_is_found_from_another_directory(tmp_path, monkeypatch):
-    """`base.shipped: models/tiny-base` is relative to the repository when the run starts elsewhere, so `redumix
-    harvest --recipe tiny` copies the shipped build there too instead of building for minutes."""
-    from redumix.embedded.stage import shipped_base
+    """`embedded.shipped: models/tiny-embedded` is relative to the repository when the run starts elsewhere, so
+    `redumix harvest --recipe tiny` copies the shipped build there too instead of building for minutes."""
+    from redumix.pipeline.embedded_stage import shipped_embedded
 
     monkeypatch.chdir(tmp_path)
-    assert shipped_base(load_config("tiny")) == ROOT / "models" / "tiny-base"
+    assert shipped_embedded(load_config("tiny")) == ROOT / "models" / "tiny-embedded"
 
 
 def test_a_stage_is_quiet_about_the_libraries_unless_verbose(tmp_path):

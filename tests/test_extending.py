@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,9 @@ import pytest
 from redumix.common.files import atomic_write_json
 from redumix.data.arith import arith_problems
 from redumix.data.shards import iter_rows, shard_paths
-from redumix.data.tasks import TASKS, TaskEntry, make_task
+from redumix.data.tasks import TASKS, TaskConfig, TaskEntry, make_task
+from redumix.generate.accounting import Usage
+from redumix.generate.decoder import Decoded
 from redumix.pipeline.cli import STAGES, Stage, main
 from redumix.pipeline.config import Config, EvalConfig, load_config
 from redumix.pipeline.decoders import DECODERS, DEFAULT_DECODERS, DecoderEntry, decoder_sections, known_decoders
@@ -51,6 +54,54 @@ def test_a_decoder_in_one_line_reaches_the_eval_report(tmp_path, tiny_model_dir,
     assert [r["output"] for r in records] == [f"The answer is {n}." for n in first_numbers]
 
 
+@dataclasses.dataclass
+class NthNumberConfig:
+    """A test-only decoder's own settings section, `nth`."""
+
+    index: int = dataclasses.field(default=0, metadata={"help": "Which number of the prompt to answer with."})
+
+
+@dataclasses.dataclass
+class NthNumber:
+    """Reads no model output: it answers with the prompt's number at `settings.index`."""
+
+    name: str
+    settings: NthNumberConfig
+
+    def __call__(self, model, tokenizer, examples, task):
+        out = []
+        for example in examples:
+            text = f"The answer is {re.findall(r'[0-9]+', example.prompt)[self.settings.index]}."
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            out.append(Decoded(text, ids, Usage(visible_tokens=len(ids))))
+        return out
+
+
+@dataclasses.dataclass
+class ConfigWithNth(Config):
+    """`Config` with the test decoder's section: what a decoder with settings adds to pipeline/config.py."""
+
+    nth: NthNumberConfig = dataclasses.field(default_factory=NthNumberConfig)
+
+
+def test_a_decoder_with_its_own_settings_section_runs_through_the_cli(tmp_path, tiny_model_dir, monkeypatch):
+    """A decoder with settings costs its module (here, the classes above), one table line and one `Config` field."""
+    from redumix.pipeline import config as config_module
+
+    monkeypatch.setattr(config_module, "Config", ConfigWithNth)
+    monkeypatch.setitem(DECODERS, "nth-number", DecoderEntry(
+        ("nth", NthNumberConfig), lambda c, name, _: NthNumber(name, c.nth), "", "the prompt's n-th number"))
+
+    assert cli_run("eval", tmp_path, tiny_model_dir, "eval.n=3", "eval.n_other=4", "nth.index=1",
+                   "eval.decoders=[greedy, nth-number]") == 0
+    records = [json.loads(x) for x in (tmp_path / "eval" / "generations" / "base--nth-number.jsonl").open()]
+    assert len(records) == 4
+    assert [r["output"] for r in records] == [f"The answer is {re.findall(r'[0-9]+', r['prompt'])[1]}."
+                                              for r in records]
+    assert "nth:\n  index: 1\n" in (tmp_path / "config.yaml").read_text()  # the section is saved with the run
+    assert cli_run("eval", tmp_path / "typo", tiny_model_dir, "nth.indx=1") == 2  # an unknown key in it is an error
+
+
 def test_unknown_decoders_get_the_derived_known_message(tmp_path, tiny_model_dir, monkeypatch, capsys):
     monkeypatch.setitem(DECODERS, "first-number", DecoderEntry(None, lambda c, name, _: FirstNumber(name), "", "toy"))
 
@@ -66,8 +117,9 @@ def test_unknown_decoders_get_the_derived_known_message(tmp_path, tiny_model_dir
 def test_the_lists_of_decoders_come_from_the_table():
     sections = decoder_sections()
     assert list(sections) == ["redumix", "moi", "cntp", "pdr", "reflective", "speculative"]
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    assert all(fields[key].type is cls for key, cls in sections.items())  # config.redumix is a RedumixConfig, ...
+    # Every section a table line names is a field of the written Config (config.redumix is a RedumixConfig, ...).
+    fields = typing.get_type_hints(Config)
+    assert all(fields[key] is cls for key, cls in sections.items())
     # Every decoder runs by default but those that need a second model (speculative.guide_path).
     assert {name.partition("@")[0] for name in DEFAULT_DECODERS} == {n for n, e in DECODERS.items() if e.default}
     assert [n for n, e in DECODERS.items() if not e.default] == [
@@ -115,6 +167,11 @@ def test_an_unknown_task_gets_the_derived_known_message(tmp_path, monkeypatch, c
     assert not list(tmp_path.iterdir())  # nothing written
 
 
+def test_every_task_s_settings_are_a_field_of_the_task_config():
+    fields = typing.get_type_hints(TaskConfig)
+    assert all(fields[name] is entry.settings for name, entry in TASKS.items() if entry.settings is not None)
+
+
 def test_a_task_s_settings_are_its_own_section():
     with pytest.raises(ConfigError, match=r"unknown key 'task.steps_max' \(did you mean 'task.arith.steps_max'\?\)"):
         load_config(RECIPE, ["task.steps_max=2"])  # the layout before task sections
@@ -153,9 +210,9 @@ def test_the_makefile_runs_the_stages_of_the_cli_table():
 
 
 def test_a_stage_imports_its_module_only_when_it_runs():
-    """`redumix base` must not pay for TRL, peft and DeepSpeed: the CLI and the config import none of them."""
+    """`redumix embedded` must not pay for TRL, peft and DeepSpeed: the CLI and the config import none of them."""
     code = ("import sys; from redumix.pipeline.cli import STAGES, resolve; import importlib; "
-            f"resolve(['base', '--recipe', {RECIPE!r}]); importlib.import_module(STAGES['base'].module); "
+            f"resolve(['embedded', '--recipe', {RECIPE!r}]); importlib.import_module(STAGES['embedded'].module); "
             "print(sorted(m for m in ('trl', 'peft', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"

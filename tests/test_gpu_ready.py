@@ -40,9 +40,9 @@ def test_bf16_weights_decode_with_every_token_level_family(tiny_model_dir):
 
 def test_bf16_recipe_trains_a_step_on_cpu(tmp_path):
     run = RunDir(tmp_path / "run")
-    write_base(run.base)
+    write_base(run.embedded)
     write_harvest(run.harvest, n_rows=8, length=8)
-    config = load_config(None, [f"model.path={run.base}", "train.bf16=true", "train.max_steps=1",
+    config = load_config(None, [f"model.path={run.embedded}", "train.bf16=true", "train.max_steps=1",
                                 "train.batch_size=4", "train.heldout_fraction=0.25", "train.save_steps=1"])
     result = run_train(config, run)
     assert result["steps"] == 1 and torch.isfinite(torch.tensor(result["final_loss"]))

@@ -1,10 +1,14 @@
 """The import graph points one way, read from the source with `ast` (nested and relative imports included):
 
+- common/ (files, processes) is the bottom: it imports nothing of redumix outside itself;
 - data/, generate/ and train/ import nothing from embedded/ or pipeline/; data/ (tasks, formats) knows no model, so it
-  imports nothing from generate/ or train/ either, and generate/ nothing from train/;
-- the stages in pipeline/ reach the embedded model only through `ensure_base`; the CLI also runs `run_base` (the
-  `base` stage), pipeline/config.py composes the `base` section, `BaseConfig`, and pipeline/train.py replays the
-  base's corpus (`train.replay`).
+  imports nothing from generate/ or train/ either (nor torch or a model library: a tokenizer's type alone), and
+  generate/ nothing from train/;
+- embedded/ is a library: it imports nothing from pipeline/;
+- pipeline/ takes from embedded/ only what `redumix.embedded` exports (`__all__`: the build, its settings, measuring
+  and the corpus replay), never one of its modules directly.
+
+No exception list: a new import that breaks a rule fails here.
 """
 
 from __future__ import annotations
@@ -12,21 +16,23 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import redumix.embedded
+
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"data": "redumix.data", "generate": "redumix.generate", "train": "redumix.train",
-            "pipeline": "redumix.pipeline", "embedded": "redumix.embedded"}
-# Each lower folder, and the packages above it that it must not know.
-ABOVE = {"data": ("redumix.embedded", "redumix.pipeline", "redumix.generate", "redumix.train"),
-         "generate": ("redumix.embedded", "redumix.pipeline", "redumix.train"),
-         "train": ("redumix.embedded", "redumix.pipeline")}
-ENSURE_BASE = ("redumix.embedded.stage", "ensure_base")
-# What a module of pipeline/ may import from embedded/, as (module, name).
-EMBEDDED_ALLOWED = {
-    "cli.py": {ENSURE_BASE, ("redumix.embedded.stage", "run_base")},
-    "config.py": {ENSURE_BASE, ("redumix.embedded.config", "BaseConfig")},
-    "train.py": {ENSURE_BASE, ("redumix.embedded.replay", "replay_conversations"),
-                 ("redumix.embedded.replay", "CONTEXT_ONLY")},
-}
+PACKAGES = {"common": "redumix.common", "data": "redumix.data", "generate": "redumix.generate",
+            "train": "redumix.train", "pipeline": "redumix.pipeline", "embedded": "redumix.embedded"}
+LAYERS = ("redumix.common", "redumix.data", "redumix.generate", "redumix.train", "redumix.embedded",
+          "redumix.pipeline")
+# Each folder, and the packages it must not know.
+FORBIDDEN = {"common": tuple(p for p in LAYERS if p != "redumix.common"),
+             "data": ("redumix.embedded", "redumix.pipeline", "redumix.generate", "redumix.train", "torch",
+                      "transformers", "peft", "trl", "deepspeed"),
+             "generate": ("redumix.embedded", "redumix.pipeline", "redumix.train"),
+             "train": ("redumix.embedded", "redumix.pipeline"),
+             "embedded": ("redumix.pipeline",)}
+# data/ renders chat text with a tokenizer, so it may name the tokenizer's type; no model.
+DATA_MAY_TAKE = {("transformers", "PreTrainedTokenizerBase")}
+EMBEDDED_API = set(redumix.embedded.__all__)
 
 
 def imported(path: Path, package: str) -> list[tuple[int, str, str | None]]:
@@ -62,15 +68,14 @@ def layer_violations(root: Path) -> list[str]:
             inside = ".".join([package, *path.relative_to(root / folder).parent.parts])  # subfolders are subpackages
             for line, module, name in imported(path, inside):
                 shown = f"{module}.{name}" if name else module
-                if folder in ABOVE:
-                    problems += [f"{where}:{line}: imports {shown} ({folder}/ must not know {above})"
-                                 for above in ABOVE[folder] if _touches(module, name, above)]
-                elif folder == "pipeline" and _touches(module, name, "redumix.embedded"):
-                    allowed = EMBEDDED_ALLOWED.get(path.name, {ENSURE_BASE})
-                    if (module, name) not in allowed:
-                        names = ", ".join(sorted(n for _, n in allowed))
-                        problems.append(f"{where}:{line}: imports {shown} (pipeline/{path.name} may take only "
-                                        f"{names} from embedded/)")
+                if folder == "data" and (module, name) in DATA_MAY_TAKE:
+                    continue
+                problems += [f"{where}:{line}: imports {shown} ({folder}/ must not know {above})"
+                             for above in FORBIDDEN.get(folder, ()) if _touches(module, name, above)]
+                if folder == "pipeline" and _touches(module, name, "redumix.embedded"):
+                    if module != "redumix.embedded" or name not in EMBEDDED_API:
+                        problems.append(f"{where}:{line}: imports {shown} (pipeline/ takes from embedded/ only "
+                                        f"`from redumix.embedded import NAME` with NAME in its __all__)")
     return problems
 
 
@@ -80,24 +85,24 @@ def test_the_repository_keeps_its_layers():
 
 def test_the_check_sees_every_kind_of_forbidden_import(tmp_path):
     files = {
+        "common/files.py": "from redumix.pipeline.run import RunDir\n",
         "data/chat.py": "from redumix.embedded.vocab import END\n",
         "data/grading.py": "from redumix.generate.loop import Generation\n",
+        "data/shards.py": "import torch\n",
         "generate/loop.py": "from ..train import loss\n",
         "generate/plain.py": "def f():\n    import redumix.pipeline.run\n",
         "train/loss.py": "from redumix import embedded\n",
-        "pipeline/harvest.py": "from redumix.embedded.stage import ensure_base, run_base\n",
-        "pipeline/eval.py": "from ..embedded import measure\n",
-        "pipeline/rounds.py": "from redumix.embedded.stage import ensure_base\nfrom .run import RunDir\n",
-        "pipeline/cli.py": "def f():\n    from redumix.embedded.stage import run_base\n",
-        "pipeline/config.py": "from redumix.embedded.config import BaseConfig\n",
-        "embedded/stage.py": "from redumix.pipeline.config import Config\n",
+        "embedded/build.py": "def f():\n    from ..pipeline.config import Config\n",
+        "pipeline/harvest.py": "from redumix.embedded import build_embedded\n",  # allowed: the package's API
+        "pipeline/eval.py": "from ..embedded.measure import measure\n",
+        "pipeline/rounds.py": "from redumix.embedded import corpus_episodes\n",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     found = layer_violations(tmp_path)
-    assert [p.split(":")[0] for p in found] == ["data/chat.py", "data/grading.py", "generate/loop.py",
-                                                "generate/plain.py", "train/loss.py", "pipeline/eval.py",
-                                                "pipeline/harvest.py"]
-    assert "imports redumix.embedded.stage.run_base" in found[-1]
-    assert "imports redumix.embedded.measure" in found[-2]
+    assert [p.split(":")[0] for p in found] == ["common/files.py", "data/chat.py", "data/grading.py", "data/shards.py",
+                                                "generate/loop.py", "generate/plain.py", "train/loss.py",
+                                                "pipeline/eval.py", "pipeline/rounds.py", "embedded/build.py"]
+    assert "imports redumix.embedded.measure.measure" in found[-3]
+    assert "imports redumix.embedded.corpus_episodes" in found[-2]

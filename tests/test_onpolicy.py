@@ -1,5 +1,5 @@
 """On-policy mixture distillation: the live teacher is the harvest's p_mix, the LoRA teacher is the adapter-disabled
-model, and a training run really samples from the student on a fraction lmbda of its steps."""
+model, and a training run really samples from the student on a fraction on_policy_share of its steps."""
 
 from __future__ import annotations
 
@@ -102,33 +102,33 @@ FAST = ["train.batch_size=8", "train.learning_rate=0.005", "train.warmup_ratio=0
         "train.onpolicy_max_new_tokens=8", "train.max_steps=6", "train.save_steps=100"]
 
 
-@pytest.mark.parametrize(("adapter", "lmbda"), [("lora", 1.0), ("full", 0.5), ("lora", 0.0)])
-def test_on_policy_training_samples_on_a_fraction_lmbda_of_steps(tmp_path: Path, adapter: str, lmbda: float) -> None:
+@pytest.mark.parametrize(("adapter", "share"), [("lora", 1.0), ("full", 0.5), ("lora", 0.0)])
+def test_on_policy_training_samples_on_its_share_of_steps(tmp_path: Path, adapter: str, share: float) -> None:
     run_dir = RunDir(tmp_path / "run")
-    write_base(run_dir.base)
+    write_base(run_dir.embedded)
     write_harvest(run_dir.harvest, n_rows=40, length=8)
-    config = load_config(None, [*FAST, f"train.adapter={adapter}", f"train.lmbda={lmbda}"])
+    config = load_config(None, [*FAST, f"train.adapter={adapter}", f"train.on_policy_share={share}"])
     with _CountSamples() as counted:
         result = run_train(config, run_dir)
-    draws = sum(SparseGKDTrainer.on_policy_step(_Seeded(config.seed, lmbda), step) for step in range(6))
+    draws = sum(SparseGKDTrainer.on_policy_step(_Seeded(config.seed, share), step) for step in range(6))
     assert counted.batches == draws
-    share = sum(SparseGKDTrainer.on_policy_step(_Seeded(config.seed, lmbda), step) for step in range(2000)) / 2000
-    assert abs(share - lmbda) < 0.04
+    drawn = sum(SparseGKDTrainer.on_policy_step(_Seeded(config.seed, share), step) for step in range(2000)) / 2000
+    assert abs(drawn - share) < 0.04
     assert result["steps"] == 6 and result["policy"] == "on_policy"
     assert torch.isfinite(torch.tensor(result["final_loss"]))
 
 
 class _Seeded:
-    """What `on_policy_step` reads of a trainer: its seed and lmbda."""
+    """What `on_policy_step` reads of a trainer: its seed and on_policy_share."""
 
-    def __init__(self, seed: int, lmbda: float) -> None:
+    def __init__(self, seed: int, on_policy_share: float) -> None:
         self.args = type("Args", (), {"seed": seed})()
-        self.lmbda = lmbda
+        self.on_policy_share = on_policy_share
 
 
 def test_on_policy_needs_x2_ids(tmp_path: Path) -> None:
     run_dir = RunDir(tmp_path / "run")
-    write_base(run_dir.base)
+    write_base(run_dir.embedded)
     write_harvest(run_dir.harvest, n_rows=12, length=4, with_x2=False)
     with pytest.raises(ValueError, match="x2_token_ids"):
         run_train(load_config(None, [*FAST]), run_dir)

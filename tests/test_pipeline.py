@@ -12,8 +12,9 @@ from redumix.data.shards import load_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 MINIATURE = [
-    "base.steps=30", "base.hidden_size=32", "base.heads=2", "base.layers=2", "base.intermediate_size=64",
-    "base.eval_n=8", "base.eval_reflection=false", "base.seq_len=512",
+    "embedded.steps=30", "embedded.hidden_size=32", "embedded.heads=2", "embedded.layers=2",
+    "embedded.intermediate_size=64",
+    "embedded.eval_n=8", "embedded.eval_reflection=false", "embedded.seq_len=512",
     "harvest.n=12", "harvest.shard_rows=6", "harvest.batch_size=6",
     "sampling.max_new_tokens=24", "redumix.reflection_max_tokens=24",
     "train.epochs=1", "train.batch_size=4", "train.save_steps=2",

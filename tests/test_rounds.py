@@ -139,11 +139,11 @@ def test_training_with_skill_rows_adds_two_examples_per_right_redo(tmp_path):
     from tests.train_fixtures import write_base, write_harvest
 
     run = RunDir(tmp_path / "run")
-    write_base(run.base)
+    write_base(run.embedded)
     write_harvest(run.harvest, n_rows=24, length=12)
     recipe = tmp_path / "r.yaml"
     recipe.write_text("name: r\n")
-    settings = [f"model.path={run.base}", "train.batch_size=4", "train.max_steps=2", "train.heldout_fraction=0.2",
+    settings = [f"model.path={run.embedded}", "train.batch_size=4", "train.max_steps=2", "train.heldout_fraction=0.2",
                 "train.skill_rows=true"]
     result = run_train(load_config(recipe, settings), run)
     train_rows, _ = split_heldout(filter_rows(load_harvest(run.harvest), "all"), 0.2)
@@ -152,13 +152,14 @@ def test_training_with_skill_rows_adds_two_examples_per_right_redo(tmp_path):
 
 
 def test_replay_teaches_the_base_corpus_improvement_turns_with_check_spans_as_context(tiny_tokenizer):
-    from redumix.embedded.replay import CONTEXT_ONLY, replay_conversations
+    from redumix.embedded import CONTEXT_ONLY, replay_conversations
     from redumix.embedded.vocab import REFLECT_OPEN
     from redumix.train.data import SparseTeacherCollator, conversation_examples, end_of_turn_ids
 
     config = load_config(ROOT / "recipes" / "tiny.yaml", ["train.replay=0.3"])
-    conversations = replay_conversations(config, 300)
-    assert conversations == replay_conversations(config, 300)  # seeded: the same episodes on every rank and rerun
+    conversations = replay_conversations(config.task, config.embedded.corpus, config.seed, 300)
+    # seeded: the same episodes on every rank and rerun
+    assert conversations == replay_conversations(config.task, config.embedded.corpus, config.seed, 300)
     kinds = [c[0].rsplit("-", 1)[1] for c in conversations]
     assert set(kinds) == {"reflection", "critique", "refine", "solution"}
     assert all(REFLECT_OPEN in m[-1]["content"] for k, (_, m, _) in zip(kinds, conversations, strict=True)
@@ -187,7 +188,7 @@ def test_replay_teaches_the_base_corpus_improvement_turns_with_check_spans_as_co
         load_config(ROOT / "recipes" / "tiny.yaml", ["train.replay=1.0"])
     gsm8k = load_config(ROOT / "recipes" / "tiny.yaml", ["train.replay=0.3", "task.name=gsm8k"])
     with pytest.raises(ValueError, match="task.name is 'gsm8k'; set train.replay=0"):
-        replay_conversations(gsm8k, 10)
+        replay_conversations(gsm8k.task, gsm8k.embedded.corpus, gsm8k.seed, 10)
 
 
 def test_training_with_replay_adds_the_share_of_corpus_examples(tmp_path):
@@ -195,11 +196,11 @@ def test_training_with_replay_adds_the_share_of_corpus_examples(tmp_path):
     from tests.train_fixtures import write_base, write_harvest
 
     run = RunDir(tmp_path / "run")
-    write_base(run.base)
+    write_base(run.embedded)
     write_harvest(run.harvest, n_rows=24, length=12)
     recipe = tmp_path / "r.yaml"
     recipe.write_text("name: r\n")
-    settings = [f"model.path={run.base}", "train.batch_size=4", "train.max_steps=2", "train.heldout_fraction=0.2",
+    settings = [f"model.path={run.embedded}", "train.batch_size=4", "train.max_steps=2", "train.heldout_fraction=0.2",
                 "train.replay=0.25"]
     rows = run_train(load_config(recipe, settings), run)["rows"]
     assert rows["replay"] >= round(rows["train"] / 3)  # a quarter of the whole: a third of the harvest's examples

@@ -42,7 +42,7 @@ def _one_thread():
 
 def _run(tmp_path: Path, n_rows: int = 20) -> RunDir:
     run = RunDir(tmp_path / "run")
-    write_base(run.base)
+    write_base(run.embedded)
     write_harvest(run.harvest, n_rows=n_rows, length=8)
     return run
 
@@ -81,7 +81,7 @@ def test_sdft_trains_and_its_teacher_sees_x2(tmp_path: Path, teacher: str, adapt
 
     # The merged model loads with plain transformers, with its tokenizer, and training moved it.
     merged = AutoModelForCausalLM.from_pretrained(str(run.train / "merged"))
-    base = AutoModelForCausalLM.from_pretrained(str(run.base))
+    base = AutoModelForCausalLM.from_pretrained(str(run.embedded))
     assert (run.train / "merged" / "tokenizer_config.json").is_file()
     q_proj = merged.model.layers[0].self_attn.q_proj.weight
     assert not torch.equal(q_proj, base.model.layers[0].self_attn.q_proj.weight)
@@ -118,7 +118,7 @@ def test_the_ema_teacher_is_in_the_checkpoint(tmp_path: Path, adapter: str) -> N
     if adapter == "full":
         teacher = torch.load(checkpoint / EMA_TEACHER, weights_only=True)
         student = load_file(str(checkpoint / "model.safetensors"))
-        start = load_file(str(run.base / "model.safetensors"))
+        start = load_file(str(run.embedded / "model.safetensors"))
         moved = [k for k in student if not torch.equal(student[k], start[k])]
         assert moved
         for key in student:

@@ -24,7 +24,7 @@ FAST = ["train.batch_size=8", "train.learning_rate=0.005", "train.warmup_ratio=0
 
 def _run(tmp_path: Path, n_rows: int = 48) -> RunDir:
     run = RunDir(tmp_path / "run")
-    write_base(run.base)
+    write_base(run.embedded)
     write_harvest(run.harvest, n_rows=n_rows, length=16)
     return run
 
@@ -38,7 +38,7 @@ def test_stage_trains_lora_merges_and_lowers_heldout_kl(tmp_path: Path, capsys: 
     lora_b = [t for name, t in adapter.items() if "lora_B" in name]
     assert lora_b and all(t.abs().sum() > 0 for t in lora_b)  # peft initialises B to zero: training moved it
     merged = AutoModelForCausalLM.from_pretrained(str(run.train / "merged"))  # plain transformers, no peft
-    base = AutoModelForCausalLM.from_pretrained(str(run.base))
+    base = AutoModelForCausalLM.from_pretrained(str(run.embedded))
     q_proj = merged.model.layers[0].self_attn.q_proj.weight
     assert not torch.equal(q_proj, base.model.layers[0].self_attn.q_proj.weight)
     assert (run.train / "merged" / "tokenizer_config.json").is_file()
@@ -149,7 +149,7 @@ def test_gradient_accumulation_gives_the_same_step(tmp_path: Path) -> None:
     for batch, accum in [(8, 1), (2, 4)]:
         out = RunDir(tmp_path / f"run-{batch}")
         out.root.mkdir()
-        (out.root / "base").symlink_to(run.base)
+        (out.root / "base").symlink_to(run.embedded)
         (out.root / "harvest").symlink_to(run.harvest)
         config = load_config(None, [*FAST, "train.adapter=full", "train.max_steps=1", "train.bf16=false",
                                     f"train.batch_size={batch}", f"train.grad_accum={accum}"])

@@ -44,11 +44,12 @@ class TrainConfig:
     )
     policy: Literal["offline", "on_policy"] = field(
         default="offline",
-        metadata={"help": "'offline': learn the stored p_mix on the harvested redo. 'on_policy': on a fraction "
-                  "`lmbda` of the steps the student samples y from x and the teacher's p_mix is computed live "
+        metadata={"help": "'offline': learn the stored p_mix on the harvested redo. 'on_policy': on a share "
+                  "`on_policy_share` of the steps the student samples y from x and the teacher's p_mix is computed "
+                  "live "
                   "from x and the row's stored x2 (the frozen starting model; with LoRA, the adapter disabled)."},
     )
-    lmbda: float = field(
+    on_policy_share: float = field(
         default=0.5,
         metadata={"help": "on_policy: fraction of steps on student samples (TRL GKD's lmbda); the other steps "
                   "learn the stored redo, which the teacher mixture generated (TRL's seq_kd)."},
@@ -164,8 +165,8 @@ class TrainConfig:
             problems.append(f"max_steps must be -1 (use epochs) or positive, got {self.max_steps}")
         if not self.lora_target_modules:
             problems.append("lora_target_modules must name at least one module")
-        if not 0.0 <= self.lmbda <= 1.0:
-            problems.append(f"lmbda must lie in [0, 1], got {self.lmbda}")
+        if not 0.0 <= self.on_policy_share <= 1.0:
+            problems.append(f"on_policy_share must lie in [0, 1], got {self.on_policy_share}")
         if self.onpolicy_temperature < 0 or self.onpolicy_max_new_tokens < 1 or self.onpolicy_topk < 1:
             problems.append("onpolicy_temperature must be >= 0, onpolicy_max_new_tokens and onpolicy_topk >= 1")
         if self.policy == "on_policy" and self.target != "mixture":

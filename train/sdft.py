@@ -89,6 +89,8 @@ class ConversationTeacherContext(DemonstrationTeacherContextBuilder):
 class X2SDFTTrainer(SDFTTrainer):
     """SDFTTrainer whose teacher sees x2's conversation, and whose checkpoints hold the EMA teacher."""
 
+    args: SDFTConfig  # built by sdft_arguments (HF Trainer types it as TrainingArguments)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.teacher_context_builder = ConversationTeacherContext(self)

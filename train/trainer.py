@@ -33,14 +33,14 @@ class SparseGKDTrainer(SFTTrainer):
         beta: float = 0.0,
         temperature: float = 1.0,
         live_teacher: LiveMixtureTeacher | None = None,
-        lmbda: float = 0.0,
+        on_policy_share: float = 0.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.beta = beta
         self.temperature = temperature
         self.live_teacher = live_teacher  # train.policy on_policy
-        self.lmbda = lmbda
+        self.on_policy_share = on_policy_share
         # Our loss is normalised by num_items_in_batch, so tell HF Trainer to count it (over labels[..., 1:]) and not
         # to divide the loss again by the gradient-accumulation steps.
         self.model_accepts_loss_kwargs = True
@@ -77,9 +77,10 @@ class SparseGKDTrainer(SFTTrainer):
 
     def on_policy_step(self, step: int) -> bool:
         """Whether optimizer step `step` trains on student samples: a draw fixed by the seed and the step, so a
-        resumed run makes the same choices (TRL's GKD draws `random.random() <= lmbda` per step)."""
+        resumed run makes the same choices (TRL's GKD draws `random.random() <= lmbda` per step; its lmbda is our
+        on_policy_share)."""
         draw = hashlib.sha256(f"{self.args.seed}:lmbda:{step}".encode()).digest()
-        return int.from_bytes(draw[:8], "big") / 2**64 < self.lmbda
+        return int.from_bytes(draw[:8], "big") / 2**64 < self.on_policy_share
 
 
 class NoFinalCheckpoint(TrainerCallback):
@@ -195,7 +196,7 @@ def build_trainer(
         beta=config.beta,
         temperature=config.temperature,
         live_teacher=live_teacher,
-        lmbda=config.lmbda if live_teacher is not None else 0.0,
+        on_policy_share=config.on_policy_share if live_teacher is not None else 0.0,
     )
 
 

@@ -1,4 +1,4 @@
-"""`redumix base` (embedded/): the tokenizer, the chat template's token-concatenativity, packing, measuring, and a
+"""`redumix embedded` (embedded/): the tokenizer, the chat template's token-concatenativity, packing, measuring, and a
 tiny end-to-end build."""
 
 from __future__ import annotations
@@ -17,20 +17,19 @@ from redumix.data.chat import prompt_ids, template_pieces
 from redumix.data.prompts import critique_messages, redo_messages, refine_messages
 from redumix.data.tasks import make_task
 from redumix.embedded import pretrain
+from redumix.embedded.build import TOKENIZER_EPISODES, build_settings
 from redumix.embedded.corpus import CorpusSpec, corpus_episodes
 from redumix.embedded.measure import measure
 from redumix.embedded.pretrain import encode_episodes, pack_rows
-from redumix.embedded.stage import (
-    TOKENIZER_EPISODES,
-    base_is_complete,
-    build_settings,
-    ensure_base,
-    run_base,
-    shipped_base,
-)
 from redumix.embedded.tokenizer import corpus_tokenizer, episode_texts, train_tokenizer
 from redumix.embedded.vocab import ASSISTANT, END, REFLECT_CLOSE, REFLECT_OPEN, USER
 from redumix.pipeline.config import load_config
+from redumix.pipeline.embedded_stage import (
+    embedded_is_complete,
+    ensure_embedded,
+    run_embedded,
+    shipped_embedded,
+)
 from redumix.pipeline.resolve import ConfigError
 from redumix.pipeline.run import RunDir
 from tests.conftest import kill_when
@@ -123,65 +122,67 @@ def test_encoded_episodes_match_the_template_and_mask_the_reflect_marker(tokeniz
 
 def test_tiny_base_builds_end_to_end_and_is_skipped_after(tmp_path, capsys):
     overrides = [
-        "base.steps=3", "base.batch_rows=2", "base.hidden_size=32", "base.layers=2", "base.heads=2",
-        "base.intermediate_size=64", "base.vocab_size=320", "base.eval_n=3", "base.eval_batch_size=3",
-        "base.threads=1", "base.warmup_steps=1",
+        "embedded.steps=3", "embedded.batch_rows=2", "embedded.hidden_size=32", "embedded.layers=2",
+        "embedded.heads=2",
+        "embedded.intermediate_size=64", "embedded.vocab_size=320", "embedded.eval_n=3", "embedded.eval_batch_size=3",
+        "embedded.threads=1", "embedded.warmup_steps=1",
     ]
     config = load_config("recipes/tiny.yaml", overrides)
     run = RunDir(tmp_path / "run")
-    run_base(config, run)
-    assert base_is_complete(run)
+    run_embedded(config, run)
+    assert embedded_is_complete(run)
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "build_config.yaml"):
-        assert (run.base / name).is_file(), name
-    assert not list(run.root.glob(".base.tmp-*"))
-    model = AutoModelForCausalLM.from_pretrained(run.base)
-    tokenizer = AutoTokenizer.from_pretrained(run.base)
+        assert (run.embedded / name).is_file(), name
+    assert not list(run.root.glob(".embedded.tmp-*"))
+    model = AutoModelForCausalLM.from_pretrained(run.embedded)
+    tokenizer = AutoTokenizer.from_pretrained(run.embedded)
     assert model.config.model_type == "llama" and model.config.vocab_size == len(tokenizer) == 320
     assert model.config.hidden_size == 32 and model.generation_config.eos_token_id == tokenizer.eos_token_id
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids(tokenizer, CONVERSATION)])).logits
     assert torch.isfinite(logits).all()
-    metrics = json.loads((run.base / "metrics.json").read_text())
+    metrics = json.loads((run.embedded / "metrics.json").read_text())
     assert metrics["n"] == 3 and 0 <= metrics["accuracy"] <= 1
     assert {"original_accuracy", "redo_accuracy", "fixed", "broken"} <= set(metrics["reflection_verifier"])
     assert "critique_verdict_accuracy" in metrics["reflection_self"]
     assert {"accuracy", "line_accuracy"} == set(metrics["forced_check_spans"])
     assert metrics["build"]["steps_per_s"] > 0 and metrics["build"]["parameters"] == model.num_parameters()
     logged = [json.loads(line) for line in run.metrics.read_text().splitlines()]
-    assert any(line["stage"] == "base" and "loss" in line for line in logged)
-    assert any(line["stage"] == "base" and "accuracy" in line for line in logged)
+    assert any(line["stage"] == "embedded" and "loss" in line for line in logged)
+    assert any(line["stage"] == "embedded" and "accuracy" in line for line in logged)
 
-    stamp = (run.base / "metrics.json").stat().st_mtime_ns
+    stamp = (run.embedded / "metrics.json").stat().st_mtime_ns
     capsys.readouterr()
-    run_base(config, run)
+    run_embedded(config, run)
     assert "complete" in capsys.readouterr().out
-    assert (run.base / "metrics.json").stat().st_mtime_ns == stamp
+    assert (run.embedded / "metrics.json").stat().st_mtime_ns == stamp
 
     # A crash after training but before the marker: the rerun evaluates the saved model instead of training.
-    weights = (run.base / "model.safetensors").stat().st_mtime_ns
-    (run.base / "metrics.json").unlink()
-    run_base(config, run)
+    weights = (run.embedded / "model.safetensors").stat().st_mtime_ns
+    (run.embedded / "metrics.json").unlink()
+    run_embedded(config, run)
     assert "without metrics" in capsys.readouterr().out
-    assert base_is_complete(run) and (run.base / "model.safetensors").stat().st_mtime_ns == weights
+    assert embedded_is_complete(run) and (run.embedded / "model.safetensors").stat().st_mtime_ns == weights
 
 
 RESUMABLE = [
-    "base.steps=12", "base.checkpoint_steps=4", "base.batch_rows=2", "base.hidden_size=32", "base.layers=2",
-    "base.heads=2", "base.intermediate_size=64", "base.vocab_size=320", "base.eval_n=2", "base.eval_batch_size=2",
-    "base.threads=1", "base.warmup_steps=1", "base.eval_reflection=false",
+    "embedded.steps=12", "embedded.checkpoint_steps=4", "embedded.batch_rows=2", "embedded.hidden_size=32",
+    "embedded.layers=2", "embedded.heads=2", "embedded.intermediate_size=64", "embedded.vocab_size=320",
+    "embedded.eval_n=2", "embedded.eval_batch_size=2",
+    "embedded.threads=1", "embedded.warmup_steps=1", "embedded.eval_reflection=false",
 ]
 
 
 def _weights(run: RunDir) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(run.base / "model.safetensors")
+    return load_file(run.embedded / "model.safetensors")
 
 
 def test_an_interrupted_base_build_resumes_to_the_same_weights(tmp_path, monkeypatch, capsys):
     config = load_config("recipes/tiny.yaml", RESUMABLE)
     whole = RunDir(tmp_path / "whole")
-    run_base(config, whole)
+    run_embedded(config, whole)
 
     real_lr_at = pretrain.lr_at
 
@@ -193,14 +194,14 @@ def test_an_interrupted_base_build_resumes_to_the_same_weights(tmp_path, monkeyp
     broken = RunDir(tmp_path / "broken")
     monkeypatch.setattr(pretrain, "lr_at", crash_at_step_9)
     with pytest.raises(KeyboardInterrupt):
-        run_base(config, broken)
-    state = json.loads((broken.root / ".base.partial" / "checkpoint" / "state.json").read_text())
-    assert state["step"] == 8 and not base_is_complete(broken)
+        run_embedded(config, broken)
+    state = json.loads((broken.root / ".embedded.partial" / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 8 and not embedded_is_complete(broken)
     monkeypatch.setattr(pretrain, "lr_at", real_lr_at)
     capsys.readouterr()
-    run_base(config, broken)
+    run_embedded(config, broken)
     assert "resuming from step 8" in capsys.readouterr().out
-    assert not (broken.root / ".base.partial").exists() and not (broken.base / "checkpoint").exists()
+    assert not (broken.root / ".embedded.partial").exists() and not (broken.embedded / "checkpoint").exists()
     expected, resumed = _weights(whole), _weights(broken)
     assert expected.keys() == resumed.keys()
     assert all(torch.equal(expected[k], resumed[k]) for k in expected)
@@ -209,13 +210,13 @@ def test_an_interrupted_base_build_resumes_to_the_same_weights(tmp_path, monkeyp
 def test_a_partial_build_of_other_settings_is_not_resumed(tmp_path, capsys):
     config = load_config("recipes/tiny.yaml", RESUMABLE)
     run = RunDir(tmp_path)
-    partial = run.root / ".base.partial"
+    partial = run.root / ".embedded.partial"
     (partial / "checkpoint").mkdir(parents=True)
     (partial / "build_config.yaml").write_text("seed: 99\n")
     (partial / "tokenizer.json").write_text("{}")
     (partial / "checkpoint" / "state.json").write_text('{"step": 8}')
-    run_base(config, run)
-    assert "resuming" not in capsys.readouterr().out and base_is_complete(run)
+    run_embedded(config, run)
+    assert "resuming" not in capsys.readouterr().out and embedded_is_complete(run)
 
 
 @pytest.mark.slow
@@ -224,17 +225,17 @@ def test_a_killed_base_build_resumes_to_the_same_weights(tmp_path):
     import subprocess
     import sys
 
-    overrides = [o.replace("base.steps=12", "base.steps=60").replace("checkpoint_steps=4", "checkpoint_steps=10")
-                 for o in RESUMABLE]
+    overrides = [o.replace("embedded.steps=12", "embedded.steps=60")
+                 .replace("checkpoint_steps=4", "checkpoint_steps=10") for o in RESUMABLE]
     whole = RunDir(tmp_path / "whole")
-    run_base(load_config("recipes/tiny.yaml", overrides), whole)
-    command = [sys.executable, "-m", "redumix.pipeline.cli", "base", "--recipe", "recipes/tiny.yaml",
+    run_embedded(load_config("recipes/tiny.yaml", overrides), whole)
+    command = [sys.executable, "-m", "redumix.pipeline.cli", "embedded", "--recipe", "recipes/tiny.yaml",
                "--run-dir", str(tmp_path / "killed"), *overrides]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    state = tmp_path / "killed" / ".base.partial" / "checkpoint" / "state.json"
+    state = tmp_path / "killed" / ".embedded.partial" / "checkpoint" / "state.json"
     kill_when(process, state.exists)  # the first checkpoint of six
     killed = RunDir(tmp_path / "killed")
-    run_base(load_config("recipes/tiny.yaml", overrides), killed)
+    run_embedded(load_config("recipes/tiny.yaml", overrides), killed)
     expected, resumed = _weights(whole), _weights(killed)
     assert all(torch.equal(expected[k], resumed[k]) for k in expected)
 
@@ -245,39 +246,39 @@ def _files(folder) -> dict[str, bytes]:
 
 def test_a_shipped_build_of_the_same_settings_is_copied_and_any_other_is_rebuilt(tmp_path, capsys):
     shipped = RunDir(tmp_path / "maker")
-    run_base(load_config("recipes/tiny.yaml", RESUMABLE), shipped)
-    same = load_config("recipes/tiny.yaml", [*RESUMABLE, f"base.shipped={shipped.base}", "base.threads=2"])
+    run_embedded(load_config("recipes/tiny.yaml", RESUMABLE), shipped)
+    same = load_config("recipes/tiny.yaml", [*RESUMABLE, f"embedded.shipped={shipped.embedded}", "embedded.threads=2"])
     capsys.readouterr()
 
     copied = RunDir(tmp_path / "copied")
-    ensure_base(same, copied)
+    ensure_embedded(same, copied)
     out = capsys.readouterr().out
     assert "copied the shipped build" in out and "parameters" not in out  # no build ran
-    assert _files(copied.base) == _files(shipped.base) and base_is_complete(copied)
-    assert not (copied.root / ".base.shipped.partial").exists()
+    assert _files(copied.embedded) == _files(shipped.embedded) and embedded_is_complete(copied)
+    assert not (copied.root / ".embedded.shipped.partial").exists()
 
-    other = load_config("recipes/tiny.yaml", [*RESUMABLE, f"base.shipped={shipped.base}", "base.lr=0.002"])
+    other = load_config("recipes/tiny.yaml", [*RESUMABLE, f"embedded.shipped={shipped.embedded}", "embedded.lr=0.002"])
     rebuilt = RunDir(tmp_path / "rebuilt")
-    ensure_base(other, rebuilt)
+    ensure_embedded(other, rebuilt)
     out = capsys.readouterr().out
-    assert "made with other settings" in out and "parameters" in out and base_is_complete(rebuilt)
-    assert _files(rebuilt.base)["model.safetensors"] != _files(shipped.base)["model.safetensors"]
+    assert "made with other settings" in out and "parameters" in out and embedded_is_complete(rebuilt)
+    assert _files(rebuilt.embedded)["model.safetensors"] != _files(shipped.embedded)["model.safetensors"]
 
-    built = RunDir(tmp_path / "built")  # `redumix base` always builds from the code
-    run_base(same, built)
+    built = RunDir(tmp_path / "built")  # `redumix embedded` always builds from the code
+    run_embedded(same, built)
     out = capsys.readouterr().out
-    assert "copied" not in out and "parameters" in out and base_is_complete(built)
+    assert "copied" not in out and "parameters" in out and embedded_is_complete(built)
 
 
-def test_the_tiny_recipe_uses_the_shipped_base():
+def test_the_tiny_recipe_uses_the_shipped_build():
     """The shipped build must match the recipe's settings, or every fresh clone builds the base itself, which takes
     longer than the pipeline's budget for it (docs/measurements.md, "Building the embedded base")."""
     config = load_config("recipes/tiny.yaml")
-    folder = shipped_base(config)
-    assert folder is not None, "models/tiny-base does not match recipes/tiny.yaml: rebuild it (see docs/design.md)"
-    assert build_settings(config) == (folder / "build_config.yaml").read_text()
+    folder = shipped_embedded(config)
+    assert folder is not None, "models/tiny-embedded does not match recipes/tiny.yaml: rebuild it (see docs/design.md)"
+    assert build_settings(config.embedded, config.task, config.seed) == (folder / "build_config.yaml").read_text()
     metrics = json.loads((folder / "metrics.json").read_text())
-    assert metrics["build"]["parameters"] == 516_960 and metrics["n"] == config.base.eval_n
+    assert metrics["build"]["parameters"] == 516_960 and metrics["n"] == config.embedded.eval_n
     assert sum(p.stat().st_size for p in folder.iterdir()) < 20e6
 
 
@@ -285,21 +286,23 @@ def test_the_tiny_recipe_corpus_trains_the_shipped_tokenizer(tmp_path):
     """The corpus is the shipped build's, byte for byte: its first episodes train exactly the shipped tokenizer (BPE
     merges follow the counts of every piece of text, so a changed episode shows)."""
     config = load_config("recipes/tiny.yaml")
-    episodes = corpus_episodes(config.task.arith, config.base.corpus, config.seed)
+    episodes = corpus_episodes(config.task.arith, config.embedded.corpus, config.seed)
     episodes = itertools.islice(episodes, TOKENIZER_EPISODES)
-    corpus_tokenizer(list(episodes), config.base.vocab_size).save_pretrained(tmp_path)
+    corpus_tokenizer(list(episodes), config.embedded.vocab_size).save_pretrained(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        assert (tmp_path / name).read_bytes() == (Path(config.base.shipped) / name).read_bytes(), name
+        assert (tmp_path / name).read_bytes() == (Path(config.embedded.shipped) / name).read_bytes(), name
 
 
-def test_corpus_settings_live_under_base_corpus_and_are_checked():
-    config = load_config("recipes/tiny.yaml", ["base.corpus.check_span_rate=0.3"])
-    assert config.base.corpus.check_span_rate == 0.3 and config.base.corpus.wrong_attempt_rate == 0.6
-    settings = build_settings(config)
-    assert "  check_span_rate: 0.3\n" in settings and settings != build_settings(load_config("recipes/tiny.yaml"))
-    with pytest.raises(ConfigError, match=r"'base.corpus.slip_rate': slip_rate must be in \[0, 1\]"):
-        load_config("recipes/tiny.yaml", ["base.corpus.slip_rate=2"])
-    no_mix = [f"base.corpus.mix_{kind}=0" for kind in ("solution", "reflection", "critique", "refine", "longhand")]
+def test_corpus_settings_live_under_embedded_corpus_and_are_checked():
+    config = load_config("recipes/tiny.yaml", ["embedded.corpus.check_span_rate=0.3"])
+    assert config.embedded.corpus.check_span_rate == 0.3 and config.embedded.corpus.wrong_attempt_rate == 0.6
+    settings = build_settings(config.embedded, config.task, config.seed)
+    tiny = load_config("recipes/tiny.yaml")
+    assert "  check_span_rate: 0.3\n" in settings
+    assert settings != build_settings(tiny.embedded, tiny.task, tiny.seed)
+    with pytest.raises(ConfigError, match=r"'embedded.corpus.slip_rate': slip_rate must be in \[0, 1\]"):
+        load_config("recipes/tiny.yaml", ["embedded.corpus.slip_rate=2"])
+    no_mix = [f"embedded.corpus.mix_{kind}=0" for kind in ("solution", "reflection", "critique", "refine", "longhand")]
     with pytest.raises(ConfigError, match="positive sum"):
         load_config("recipes/tiny.yaml", no_mix)
 
@@ -307,10 +310,10 @@ def test_corpus_settings_live_under_base_corpus_and_are_checked():
 def _shipped_metrics_measured(overrides: list[str]) -> tuple[dict, dict]:
     """(what `measure` gives the shipped model now, what its build recorded in metrics.json)."""
     config = load_config("recipes/tiny.yaml", overrides)
-    folder = Path(config.base.shipped)
+    folder = Path(config.embedded.shipped)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    measured = measure(model, tokenizer, make_task(config.task, config.seed), config.base, config.seed)
+    measured = measure(model, tokenizer, make_task(config.task, config.seed), config.embedded, config.seed)
     return measured, json.loads((folder / "metrics.json").read_text())
 
 
@@ -320,7 +323,7 @@ ONE_PROBLEM = 1 / 300 + 1e-9
 
 def test_measuring_the_shipped_base_reproduces_its_greedy_metrics():
     """generate/'s greedy decoder scores the shipped model as its build did (on HF generate, before embedded/)."""
-    measured, shipped = _shipped_metrics_measured(["base.eval_reflection=false"])
+    measured, shipped = _shipped_metrics_measured(["embedded.eval_reflection=false"])
     assert set(measured) == {"n", "accuracy", "no_answer", "line_accuracy"} and measured["n"] == shipped["n"] == 300
     assert abs(measured["accuracy"] - shipped["accuracy"]) <= ONE_PROBLEM
     assert abs(measured["no_answer"] - shipped["no_answer"]) <= 1
@@ -344,7 +347,7 @@ def test_measuring_the_shipped_base_reproduces_its_reflection_metrics():
 # Builds of the tiny recipe: (greedy accuracy, x2-only redo accuracy after verifier feedback) on its 300 held-out
 # problems. The trained weights depend on the CPU's float rounding, so each host's build of a seed is one more draw.
 BUILD_DRAWS = {
-    "seed 0 on the host that built models/tiny-base": (0.42, 0.8533),
+    "seed 0 on the host that built models/tiny-embedded": (0.42, 0.8533),
     "seed 0 on an AMD EPYC host, at 1 and at 2 threads alike": (0.2967, 0.7033),
     "seed 1 on the AMD EPYC host": (0.1867, 0.42),
     "seed 2 on the AMD EPYC host": (0.3033, 0.60),
@@ -359,7 +362,7 @@ def _below_lowest_draw(values: list[float], n: int = 300) -> float:
 
 @pytest.mark.slow
 def test_the_base_rebuilt_from_the_code_matches_the_shipped_one(tmp_path):
-    """A whole base build: `redumix base` on the tiny recipe against models/tiny-base.
+    """A whole base build: `redumix embedded` on the tiny recipe against models/tiny-embedded.
 
     What no CPU changes must be equal byte for byte: the build settings, the tokenizer, the corpus (episodes and
     packed rows) and the parameter count. The trained weights are not: 3,500 float32 steps turn another CPU's
@@ -370,11 +373,11 @@ def test_the_base_rebuilt_from_the_code_matches_the_shipped_one(tmp_path):
     than it breaks."""
     config = load_config("recipes/tiny.yaml")
     run = RunDir(tmp_path)
-    run_base(config, run)
-    shipped_folder = Path(config.base.shipped)
-    shipped, rebuilt = (json.loads((folder / "metrics.json").read_text()) for folder in (shipped_folder, run.base))
+    run_embedded(config, run)
+    shipped_folder = Path(config.embedded.shipped)
+    shipped, rebuilt = (json.loads((folder / "metrics.json").read_text()) for folder in (shipped_folder, run.embedded))
     for name in ("build_config.yaml", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        assert (run.base / name).read_bytes() == (shipped_folder / name).read_bytes(), name
+        assert (run.embedded / name).read_bytes() == (shipped_folder / name).read_bytes(), name
     for key in ("parameters", "vocab_size", "episodes", "rows"):
         assert rebuilt["build"][key] == shipped["build"][key], key
     assert rebuilt["n"] == shipped["n"] == 300
