@@ -45,7 +45,7 @@ from redumix.pipeline.run import RunDir
 from redumix.pipeline.train import run_train
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_EMBEDDED = ROOT / "models" / "tiny-embedded"
+TINY_BASE = ROOT / "models" / "tiny-base"
 SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"
 DECODERS = ["greedy", "redumix-oracle", "redumix-self", "moi", "pdr", "sr", "reflective"]
 # bfloat16 keeps 8 bits of mantissa (a relative step of 2^-8); a log-prob near −1 that has been through a few layers
@@ -111,15 +111,15 @@ def check_decoders(device: str, size: Size) -> list[Row]:
     config = load_config(ROOT / "recipes" / "tiny.yaml", [f"sampling.max_new_tokens={4 * size.tokens}"])
     task = make_task(config.task, config.seed)
     examples = task.examples("test", size.examples)
-    reference_model, tokenizer = load_model(TINY_EMBEDDED, ModelConfig(device="cpu", dtype="float32"))
+    reference_model, tokenizer = load_model(TINY_BASE, ModelConfig(device="cpu", dtype="float32"))
     reference = decoder_ids(reference_model, tokenizer, config, task, examples)
     rows = []
     for dtype in ("float32", "bfloat16"):
-        model, _ = load_model(TINY_EMBEDDED, ModelConfig(device=device, dtype=dtype))
+        model, _ = load_model(TINY_BASE, ModelConfig(device=device, dtype=dtype))
         found = decoder_ids(model, tokenizer, config, task, examples)
         for name in DECODERS:
             equal, result = compare_ids(found[name], reference[name])
-            rows.append(Row(f"decoder {name}", "tiny-embedded", f"{device} {dtype} vs cpu float32", result,
+            rows.append(Row(f"decoder {name}", "tiny-base", f"{device} {dtype} vs cpu float32", result,
                             equal == len(examples) if dtype == "float32" else None))
     return rows
 
@@ -129,12 +129,12 @@ def check_harvest_and_cfg(device: str, size: Size) -> list[Row]:
     prompts = [e.prompt for e in make_task(load_config(ROOT / "recipes" / "tiny.yaml").task, 0).examples(
         "test", size.examples)]
     stages = Stages(size.tokens * 4, size.tokens * 4)
-    reference_model, _ = load_model(TINY_EMBEDDED, ModelConfig(device="cpu", dtype="float32"))
+    reference_model, _ = load_model(TINY_BASE, ModelConfig(device="cpu", dtype="float32"))
     with torch.no_grad():
         reference = ours_harvest(reference_model, tokenizer, prompts, stages)
     rows = []
     for dtype in ("float32", "bfloat16"):
-        model, _ = load_model(TINY_EMBEDDED, ModelConfig(device=device, dtype=dtype))
+        model, _ = load_model(TINY_BASE, ModelConfig(device=device, dtype=dtype))
         with torch.no_grad():
             ours = ours_harvest(model, tokenizer, prompts, stages)
             theirs = hf_redo(model, tokenizer, prompts, [r.x2 for r in ours], stages.answer)
@@ -144,9 +144,9 @@ def check_harvest_and_cfg(device: str, size: Size) -> list[Row]:
         result += (f"; p_mix top-k log-prob |Δ| median {median_gap:.4f}, max {max(gaps, default=math.nan):.4f} nats "
                    f"over {len(gaps)} entries")
         ok = equal == len(prompts) if dtype == "float32" else median_gap <= BF16_TOLERANCE
-        rows.append(Row("harvest (redumix_generate)", "tiny-embedded", f"{device} {dtype} vs cpu float32", result, ok))
+        rows.append(Row("harvest (redumix_generate)", "tiny-base", f"{device} {dtype} vs cpu float32", result, ok))
         cfg_equal, cfg_result = compare_ids([r.token_ids for r in theirs], [r.token_ids for r in ours])
-        rows.append(Row("ReDuMix redo vs transformers CFG", "tiny-embedded", f"{device} {dtype}, our x2 given",
+        rows.append(Row("ReDuMix redo vs transformers CFG", "tiny-base", f"{device} {dtype}, our x2 given",
                         cfg_result, cfg_equal == len(prompts) if dtype == "float32" else None))
     return rows
 
@@ -154,7 +154,7 @@ def check_harvest_and_cfg(device: str, size: Size) -> list[Row]:
 def check_lora_step(device: str, size: Size) -> list[Row]:
     on_gpu = device.startswith("cuda")
     # 32 rows leave the train stage a held-out slice to score its KL on.
-    overrides = [f"model.path={TINY_EMBEDDED}", f"model.device={device}", "harvest.n=32",
+    overrides = [f"model.path={TINY_BASE}", f"model.device={device}", "harvest.n=32",
                  f"harvest.batch_size={size.batch}", f"harvest.shard_rows={size.batch}", "train.adapter=lora",
                  "train.max_steps=2", "train.batch_size=2", "train.skill_rows=false", "train.replay=0",
                  f"train.bf16={str(on_gpu).lower()}", "train.save_steps=2"]
@@ -169,7 +169,7 @@ def check_lora_step(device: str, size: Size) -> list[Row]:
     result = (f"{metrics['steps']} steps, {metrics['seconds_per_step']:.3f} s/step, loss {metrics['final_loss']:.4f}, "
               f"held-out KL {metrics['heldout_kl_base']:.4f} -> {metrics['heldout_kl_merged']:.4f}")
     setting = f"{device}, bf16 autocast {'on' if on_gpu else 'off'}"
-    return [Row("LoRA train step (harvest + train stages)", "tiny-embedded", setting, result,
+    return [Row("LoRA train step (harvest + train stages)", "tiny-base", setting, result,
                 finite and metrics["steps"] == 2)]
 
 

@@ -6,7 +6,7 @@ probability and both models' argmax, and compares each with the right first digi
 An uncertainty gate can only hand the wrong results to the guide if they sit below its threshold while the right
 ones do not.
 
-    .venv/bin/python -m bench.guide_signal --small models/tiny-embedded --guide models/tiny-guide
+    .venv/bin/python -m bench.guide_signal --small models/tiny-base --guide models/tiny-guide
 """
 
 from __future__ import annotations

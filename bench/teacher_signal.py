@@ -5,7 +5,7 @@ result it writes (the first digit after " = "), this reads the argmax of the mod
 under x2 ‖ y (SDFT's teacher: the same model shown the attempt, feedback and reflection) and compares each with the
 right first digit of that line's own operation. A teacher helps where the student's sample is wrong and it is right.
 
-    .venv/bin/python -m bench.teacher_signal --model models/tiny-embedded --harvest runs/tiny/harvest
+    .venv/bin/python -m bench.teacher_signal --model models/tiny-base --harvest runs/tiny/harvest
 """
 
 from __future__ import annotations

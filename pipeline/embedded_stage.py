@@ -39,7 +39,7 @@ def shipped_embedded(config: Config) -> Path | None:
     if not config.embedded.shipped:
         return None
     folder = Path(config.embedded.shipped)
-    if not folder.exists() and (REPO / folder).exists():  # the bundled `models/tiny-embedded`, run from elsewhere
+    if not folder.exists() and (REPO / folder).exists():  # the bundled `models/tiny-base`, run from elsewhere
         folder = REPO / folder
     if not (folder / "metrics.json").is_file():
         print0(f"embedded: embedded.shipped={folder} holds no complete build (no metrics.json); building from the "

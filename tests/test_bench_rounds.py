@@ -49,7 +49,7 @@ def test_guide_signal_finds_no_disagreement_when_the_guide_is_the_small_model(ca
     and every threshold's shares are read from the same results."""
     from bench import guide_signal
 
-    base = str(REPO / "models" / "tiny-embedded")
+    base = str(REPO / "models" / "tiny-base")
     monkeypatch.setattr("sys.argv", ["guide_signal", "--small", base, "--guide", base, "--rows", "40"])
     guide_signal.main()
     out = capsys.readouterr().out
@@ -65,7 +65,7 @@ def test_target_stability_reads_no_distance_where_the_target_is_the_model_under_
     from redumix.pipeline.harvest import run_harvest
     from redumix.pipeline.run import RunDir
 
-    base = REPO / "models" / "tiny-embedded"
+    base = REPO / "models" / "tiny-base"
     small = ["harvest.n=6", "harvest.shard_rows=3", "harvest.batch_size=3", "sampling.temperature=1.0",
              "redumix.topk=8"]
     folders = []

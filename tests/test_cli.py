@@ -141,12 +141,12 @@ def test_a_refused_harvest_names_the_keys_that_differ(tmp_path):
 
 
 def test_the_shipped_base_is_found_from_another_directory(tmp_path, monkeypatch):
-    """`embedded.shipped: models/tiny-embedded` is relative to the repository when the run starts elsewhere, so
+    """`embedded.shipped: models/tiny-base` is relative to the repository when the run starts elsewhere, so
     `redumix harvest --recipe tiny` copies the shipped build there too instead of building for minutes."""
     from redumix.pipeline.embedded_stage import shipped_embedded
 
     monkeypatch.chdir(tmp_path)
-    assert shipped_embedded(load_config("tiny")) == ROOT / "models" / "tiny-embedded"
+    assert shipped_embedded(load_config("tiny")) == ROOT / "models" / "tiny-base"
 
 
 def test_a_stage_is_quiet_about_the_libraries_unless_verbose(tmp_path):

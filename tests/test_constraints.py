@@ -160,7 +160,7 @@ def test_the_task_joins_the_fingerprints_only_when_named():
     # A run of another task keeps its fingerprints, and the shipped base still matches its recipe.
     arith = load_config(ROOT / "recipes" / "tiny.yaml")
     assert "constraints" not in flat_settings(arith.task)
-    shipped = yaml.safe_load((ROOT / "models" / "tiny-embedded" / "build_config.yaml").read_text())
+    shipped = yaml.safe_load((ROOT / "models" / "tiny-base" / "build_config.yaml").read_text())
     assert flat_settings(arith.task) == shipped["task"]
     config = load_config(RECIPE)
     assert flat_settings(config.task)["constraints"]["kinds"] == list(KINDS)

@@ -275,7 +275,7 @@ def test_the_tiny_recipe_uses_the_shipped_build():
     longer than the pipeline's budget for it (docs/measurements.md, "Building the embedded base")."""
     config = load_config("recipes/tiny.yaml")
     folder = shipped_embedded(config)
-    assert folder is not None, "models/tiny-embedded does not match recipes/tiny.yaml: rebuild it (see docs/design.md)"
+    assert folder is not None, "models/tiny-base does not match recipes/tiny.yaml: rebuild it (see docs/design.md)"
     assert build_settings(config.embedded, config.task, config.seed) == (folder / "build_config.yaml").read_text()
     metrics = json.loads((folder / "metrics.json").read_text())
     assert metrics["build"]["parameters"] == 516_960 and metrics["n"] == config.embedded.eval_n
@@ -347,7 +347,7 @@ def test_measuring_the_shipped_base_reproduces_its_reflection_metrics():
 # Builds of the tiny recipe: (greedy accuracy, x2-only redo accuracy after verifier feedback) on its 300 held-out
 # problems. The trained weights depend on the CPU's float rounding, so each host's build of a seed is one more draw.
 BUILD_DRAWS = {
-    "seed 0 on the host that built models/tiny-embedded": (0.42, 0.8533),
+    "seed 0 on the host that built models/tiny-base": (0.42, 0.8533),
     "seed 0 on an AMD EPYC host, at 1 and at 2 threads alike": (0.2967, 0.7033),
     "seed 1 on the AMD EPYC host": (0.1867, 0.42),
     "seed 2 on the AMD EPYC host": (0.3033, 0.60),
@@ -362,7 +362,7 @@ def _below_lowest_draw(values: list[float], n: int = 300) -> float:
 
 @pytest.mark.slow
 def test_the_base_rebuilt_from_the_code_matches_the_shipped_one(tmp_path):
-    """A whole base build: `redumix embedded` on the tiny recipe against models/tiny-embedded.
+    """A whole base build: `redumix embedded` on the tiny recipe against models/tiny-base.
 
     What no CPU changes must be equal byte for byte: the build settings, the tokenizer, the corpus (episodes and
     packed rows) and the parameter count. The trained weights are not: 3,500 float32 steps turn another CPU's

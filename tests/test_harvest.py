@@ -169,3 +169,14 @@ def test_two_processes_harvest_the_same_rows_as_one(tmp_path, model_dir):
                "--run-dir", str(tmp_path / "two"), f"model.path={model_dir}", *SMALL]
     subprocess.run(command, cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
     assert rows_differ(comparable(list(iter_rows(shard_paths(tmp_path / "two" / "harvest")))), expected) == []
+
+
+def test_the_bundled_recipes_keep_their_harvest_fingerprints():
+    """A harvest made before a refactor resumes after it: renaming a key or a module must not move the fingerprint of
+    the settings that decide the rows (these are the values the tree before the embedded rename computed)."""
+    from redumix.data.tasks import make_task
+    from redumix.pipeline.harvest_folder import harvest_fingerprint
+
+    for recipe, expected in [("tiny", "75a697811176a160"), ("smollm2-135m-constraints", "ca9b63980cc664c1")]:
+        config = load_config(recipe)
+        assert harvest_fingerprint(config, make_task(config.task, config.seed)) == expected, recipe

@@ -35,7 +35,7 @@ from redumix.pipeline.run import RunDir
 from tests.conftest import one_thread
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_EMBEDDED = ROOT / "models" / "tiny-embedded"
+TINY_BASE = ROOT / "models" / "tiny-base"
 QUESTIONS = ["What is 2 + 3?", "Tom has 7 apples and eats 2. How many are left?", "9 * 4 = ?",
              "A train leaves at 3 and arrives at 7; how long is the trip?"]
 SEEDS = [11, 12, 13, 14]
@@ -67,7 +67,7 @@ def char_pair(tiny_tokenizer):
 def bpe_pair():
     """(small, guide, tokenizer): the shipped embedded base (trained, byte-level BPE) and a random Llama guide of
     hidden 128 over its tokenizer."""
-    small, tokenizer = load_model(TINY_EMBEDDED)
+    small, tokenizer = load_model(TINY_BASE)
     guide = seeded_model("llama", 7, **tiny_shape(128), vocab_size=small.config.vocab_size,
                          max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=None).eval()
@@ -359,8 +359,8 @@ def test_guide_path_errors_name_the_key(tmp_path, tiny_model_dir, monkeypatch):
         make_decoder(_config(tiny_model_dir, "nowhere"), "speculative-thinking", {})
     # A relative path is read from the repository when it is not in the working directory, as embedded.shipped is.
     monkeypatch.chdir(tmp_path)
-    decoder = make_decoder(_config(tiny_model_dir, "models/tiny-embedded"), "speculative-thinking", {})
-    assert decoder.guide == str(TINY_EMBEDDED)
+    decoder = make_decoder(_config(tiny_model_dir, "models/tiny-base"), "speculative-thinking", {})
+    assert decoder.guide == str(TINY_BASE)
     # ... and a guide must share the model's tokenizer.
     small, tokenizer = load_model(tiny_model_dir)
     with pytest.raises(ValueError, match="the guide's tokenizer is not the model's"):
@@ -397,7 +397,7 @@ def test_the_tiny_recipes_guide_is_shipped_with_the_bases_tokenizer_at_about_fou
     tokenizer and chat format as the shipped base, about 4x its parameters, and the build settings `make guide`
     passes."""
     config = load_config("tiny", [])
-    guide, base = Path(REPO) / config.speculative.guide_path, Path(REPO) / "models" / "tiny-embedded"
+    guide, base = Path(REPO) / config.speculative.guide_path, Path(REPO) / "models" / "tiny-base"
     assert (guide / "tokenizer.json").read_bytes() == (base / "tokenizer.json").read_bytes()
     assert (guide / "chat_template.jinja").read_text() == (base / "chat_template.jinja").read_text()
     sizes = [json.loads((folder / "metrics.json").read_text())["build"]["parameters"] for folder in (guide, base)]
