@@ -90,12 +90,12 @@ def run_eval(
                          "models": {k: model_id(v) for k, v in checkpoints.items()}},
               "rows": rows, "tuned_vs_base": tuned_vs_base(every_record, base=config.eval.base_label),
               "diagnostics": diagnostics, "peak_rss_mb": peak_rss_mb()}
-    atomic_write_text(out / "report.md", report_markdown(report))
+    atomic_write_text(out / "report.md", report_markdown(report, decoders))
     plot_accuracy_vs_fpe(rows, out / "accuracy_vs_fpe.png")
     atomic_write_json(report_path, report)  # last: its presence means the stage is complete
     for row in rows:
         log_metrics(run.metrics, "eval", **{k: v for k, v in row.items() if isinstance(v, (int, float, str))})
-    print0(report_markdown(report))
+    print0(report_markdown(report, decoders))
 
 
 def available_checkpoints(config: Config, run: RunDir) -> dict[str, Path]:
