@@ -18,14 +18,16 @@ against the loop a user writes with `model.generate` in float32, at batch 16, si
   real_{model}_eval_bf16_ids_match              share of greedy answers equal to ours in float32
   real_{model}_eval_float32_ids_match_hf        share of our float32 greedy answers equal to `generate`'s: 1 means the
                                    two sides decode the same tokens, so the eval keys time the same work
-  matmul_bf16_vs_float32_{model}_b16_1thread    the bound: one decode step's matrix products at the model's shapes
-                                   (every linear layer and the output head, batch 16, one thread), float32 time over
-                                   bf16 time. Our eval's bf16 ratio over `generate` in float32 is at most about this
-                                   times what our loop buys in float32, since a step of a model this size is its
-                                   matrix products.
+  matmul_bf16_vs_float32_{model}_decode_b16_1thread   the bound: one decode step's matrix products at the model's
+                                   shapes (every linear layer and the output head, 16 rows, one thread), float32 time
+                                   over bf16 time. A decode step of a model this size is its matrix products, so bf16
+                                   buys a decode step at most about this, and ours in bf16 over `generate` in float32
+                                   is at most about this times what our loop buys in float32.
+  matmul_bf16_vs_float32_{model}_prefill_256rows_1thread   the same for a prefill's 256 positions (the layers only:
+                                   the output head runs on the last position), the part of a step with long prompts.
 
 Each side's tokens are what it emitted through its stop token (a row `generate` keeps padding after it stopped costs
-that loop time, not tokens). Each side runs once, after a warm-up at a few tokens a stage: a float32 harvest of this
+that loop time, not tokens). Each side runs once, after a warm-up on one prompt: a float32 harvest of this
 model at batch 16 takes minutes on 2 cores, so the key's noise is judged across `make bench` runs
 (docs/benchmarks.md), not within one.
 """
@@ -55,10 +57,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "qwen2.5-coder-0.5b-gsm8k.yaml"
 KEY = "qwen_coder_0.5b"
 BATCH = 16
-# Caps well under a GSM8K answer's length, so nearly every row runs to them and each side's float32 harvest stays near
-# two minutes on 2 cores.
-HARVEST = Stages(answer=64, reflection=32)
-EVAL_TOKENS = 96
+# Caps well under a GSM8K answer's length, so nearly every row runs to them, and short enough that the three sides'
+# harvests and evals take minutes, not an hour, on 2 cores.
+HARVEST = Stages(answer=32, reflection=16)
+EVAL_TOKENS = 48
 WARM = Stages(2, 2)
 
 
@@ -98,17 +100,20 @@ def compare(bf16: PreTrainedModel, float32: PreTrainedModel, tokenizer: PreTrain
     sides = {"ours_bf16": (bf16, ours_harvest, ours_eval), "ours_float32": (float32, ours_harvest, ours_eval),
              "hf_float32": (float32, hf_harvest, hf_eval)}
     harvest_rate, eval_rate, redos, answers = {}, {}, {}, {}
+    began = time.perf_counter()
     with torch.no_grad():
-        for model, harvest_fn, eval_fn in sides.values():  # the first call of each pays one-off costs
-            harvest_fn(model, tokenizer, texts, WARM)
-            eval_fn(model, tokenizer, ids, WARM.answer)
+        # The first call of each side pays one-off costs; one prompt is enough to pay them (a batch of 16 would cost
+        # the float32 sides their prefills again).
+        for model, harvest_fn, eval_fn in sides.values():
+            harvest_fn(model, tokenizer, texts[:1], WARM)
+            eval_fn(model, tokenizer, ids[:1], WARM.answer)
         for side, (model, harvest_fn, eval_fn) in sides.items():
             harvest_rate[side], redos[side] = rate(lambda found: sum(r.generated for r in found), harvest_fn,
                                                    model, tokenizer, texts, harvest)
             eval_rate[side], answers[side] = rate(lambda found: sum(map(len, found)), eval_fn, model, tokenizer,
                                                   ids, eval_tokens)
-            print(f"bench_real: {side} harvest {harvest_rate[side]:.1f} tokens/s, eval {eval_rate[side]:.1f}",
-                  flush=True)
+            print(f"bench_real: {side}: harvest {harvest_rate[side]:.1f} tokens/s, eval {eval_rate[side]:.1f} "
+                  f"tokens/s ({time.perf_counter() - began:.0f} s in)", flush=True)
     results: dict[str, float] = {}
     for stage, rates in (("harvest", harvest_rate), ("eval", eval_rate)):
         name = f"real_{key}_{stage}"
@@ -128,25 +133,25 @@ def compare(bf16: PreTrainedModel, float32: PreTrainedModel, tokenizer: PreTrain
     return results
 
 
-def step_shapes(config) -> list[tuple[int, int]]:
-    """(in, out) of every linear layer one decode step runs through, the output head last."""
+def step_shapes(config, head: bool = True) -> list[tuple[int, int]]:
+    """(in, out) of every linear layer one forward runs each position through, the output head last if `head`."""
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     hidden, head_dim = config.hidden_size, config.hidden_size // config.num_attention_heads
     layer = [(hidden, heads * head_dim), (hidden, kv * head_dim), (hidden, kv * head_dim), (heads * head_dim, hidden),
              (hidden, config.intermediate_size), (hidden, config.intermediate_size),
              (config.intermediate_size, hidden)]
-    return layer * config.num_hidden_layers + [(hidden, config.vocab_size)]
+    return layer * config.num_hidden_layers + ([(hidden, config.vocab_size)] if head else [])
 
 
-def matmul_bound(config, batch: int = BATCH, min_seconds: float = 2.0) -> float:
-    """float32 time over bf16 time of one decode step's matrix products at `config`'s shapes, on one thread."""
+def matmul_bound(config, batch: int = BATCH, head: bool = True, min_seconds: float = 2.0) -> float:
+    """float32 time over bf16 time of a forward's matrix products at `config`'s shapes, `batch` rows, one thread."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         seconds = {}
         for dtype in (torch.float32, torch.bfloat16):
-            weights = [torch.randn(out, into, dtype=dtype) for into, out in step_shapes(config)]
-            inputs = {into: torch.randn(batch, into, dtype=dtype) for into, _ in step_shapes(config)}
+            weights = [torch.randn(out, into, dtype=dtype) for into, out in step_shapes(config, head)]
+            inputs = {into: torch.randn(batch, into, dtype=dtype) for into, _ in step_shapes(config, head)}
 
             def step(weights=weights, inputs=inputs) -> None:
                 for w in weights:
@@ -180,7 +185,9 @@ def run(quick: bool = False) -> dict[str, float | str]:
     sizes = (WARM, 4) if quick else (HARVEST, EVAL_TOKENS)
     results: dict[str, float | str] = {"real_model": f"{folder.name}, {config.task.name} train prompts, batch {BATCH}"}
     results |= compare(bf16, float32, tokenizer, texts, *sizes)
-    results[f"matmul_bf16_vs_float32_{KEY}_b{BATCH}_1thread"] = round(matmul_bound(float32.config), 3)
+    results[f"matmul_bf16_vs_float32_{KEY}_decode_b{BATCH}_1thread"] = round(matmul_bound(float32.config), 3)
+    results[f"matmul_bf16_vs_float32_{KEY}_prefill_256rows_1thread"] = round(
+        matmul_bound(float32.config, 256, head=False), 3)
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     results["real_cpu_bf16"] = f"bf16 in hardware: {cpu_has_bf16()}, AMX: {amx}"
     return results

@@ -45,5 +45,6 @@ def test_the_matmul_bound_runs_every_linear_of_a_step(tiny_llama_chat_model):
     shapes = step_shapes(config)
     assert len(shapes) == 7 * config.num_hidden_layers + 1 and shapes[-1] == (config.hidden_size, config.vocab_size)
     threads = torch.get_num_threads()
-    assert matmul_bound(config, batch=4, min_seconds=0.01) > 0
+    assert step_shapes(config, head=False) == shapes[:-1]
+    assert matmul_bound(config, batch=4, min_seconds=0.01) > 0 and matmul_bound(config, 8, False, 0.01) > 0
     assert torch.get_num_threads() == threads  # one thread inside, the caller's count restored
