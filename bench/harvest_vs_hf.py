@@ -36,6 +36,7 @@ class Redo:
     topk_ids: list[list[int]]
     topk_logprobs: list[list[float]]
     tail_logprobs: list[float]
+    generated: int = 0  # tokens the example's attempt, reflection and redo emitted, each through its stop token
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,8 @@ def ours_harvest(
     ids = [f"bench-{i}" for i in range(len(prompts))]
     results = redumix_generate(model, tokenizer, prompts, ids, config, policy, 0, stop_token_ids(model, tokenizer),
                                lambda i, attempt: FEEDBACK)
-    return [Redo(r.x2_ids, r.redo_token_ids, r.topk_ids, r.topk_logprobs, r.tail_logprobs) for r in results]
+    return [Redo(r.x2_ids, r.redo_token_ids, r.topk_ids, r.topk_logprobs, r.tail_logprobs, r.usage.generated_tokens)
+            for r in results]
 
 
 def hf_harvest(
@@ -95,15 +97,27 @@ def hf_harvest(
     stops = stop_token_ids(model, tokenizer)
     stage = {"do_sample": False, "pad_token_id": pad, "eos_token_id": stops}
 
+    emitted = [0] * len(prompts)  # per example, the tokens its stages emitted through their stop
+
     def generate_text(conversations: list[list[dict]], max_new_tokens: int) -> list[str]:
         batch = _left_padded(tokenizer, [prompt_ids(tokenizer, c) for c in conversations], model.device)
-        out = model.generate(**batch, **stage, max_new_tokens=max_new_tokens)
-        return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+        out = model.generate(**batch, **stage, max_new_tokens=max_new_tokens)[:, batch["input_ids"].shape[1] :]
+        for b, ids in enumerate(out.tolist()):
+            emitted[b] += through_stop(ids, stops)
+        return tokenizer.batch_decode(out, skip_special_tokens=True)
 
     y1 = generate_text([attempt_messages(p) for p in prompts], tokens.answer)
     c = generate_text([reflect_messages(p, a, FEEDBACK) for p, a in zip(prompts, y1, strict=True)], tokens.reflection)
     x2s = [prompt_ids(tokenizer, redo_messages(p, a, FEEDBACK, r)) for p, a, r in zip(prompts, y1, c, strict=True)]
-    return hf_redo(model, tokenizer, prompts, x2s, tokens.answer)
+    redos = hf_redo(model, tokenizer, prompts, x2s, tokens.answer)
+    for redo, before in zip(redos, emitted, strict=True):
+        redo.generated = before + len(redo.token_ids)
+    return redos
+
+
+def through_stop(ids: list[int], stops: Sequence[int]) -> int:
+    """How many of a row's new ids `generate` emitted through its first stop token (the rest is padding)."""
+    return next((t + 1 for t, token in enumerate(ids) if token in stops), len(ids))
 
 
 def hf_redo(
@@ -124,7 +138,7 @@ def hf_redo(
     tail = torch.logsumexp(mix.double().scatter(-1, top.indices, float("-inf")), dim=-1).float()
     redos = []
     for b, ids in enumerate(redo.tolist()):
-        n = next((t + 1 for t, token in enumerate(ids) if token in stops), len(ids))  # through the first stop
+        n = through_stop(ids, stops)
         redos.append(Redo(x2s[b], ids[:n], top.indices[b, :n].tolist(), top.values[b, :n].tolist(),
                           tail[b, :n].tolist()))
     return redos

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -35,7 +36,12 @@ class ModelConfig:
                   "RUN_DIR/embedded; otherwise a local Hugging Face model folder."},
     )
     trust_remote_code: bool = field(default=False, metadata={"help": "Run model code shipped with the checkpoint."})
-    dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata={"help": "Weights dtype."})
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = field(
+        default="float32",
+        metadata={"help": "Weights dtype. 'auto': bfloat16 on a GPU that supports it and on a CPU with bf16 in "
+                  "hardware (AVX512-BF16, AMX or Arm's BF16), float32 elsewhere. Mixtures, stored log-probs and "
+                  "losses are computed in float32 whatever the weights' dtype."},
+    )
     device: str = field(default="auto", metadata={"help": "'auto' picks cuda:LOCAL_RANK when available, else cpu."})
     compile_decoding: bool = field(
         default=False,
@@ -43,6 +49,29 @@ class ModelConfig:
                   "where a step is bound by its calls (a small model, a small batch), after a one-off compile per "
                   "process; it changes float rounding only. Timings: docs/measurements.md."},
     )
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The torch dtype of `model.dtype` on `device`. 'auto' takes bfloat16 only where the hardware computes it: a CPU
+    without bf16 instructions emulates it, which is slower than float32 (train.bf16's help says the same)."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if device.type == "cpu" and cpu_has_bf16() else torch.float32
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bf16 arithmetic in hardware, as torch's own kernels see it: AVX512-BF16 or AMX on x86
+    (torch.cpu's checks, which `get_cpu_capability` does not report), the BF16 feature on Arm."""
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        try:
+            return any(line.startswith("Features") and "bf16" in line.split()
+                       for line in Path("/proc/cpuinfo").read_text().splitlines())
+        except OSError:
+            return False
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
 def load_model(
@@ -63,12 +92,12 @@ def load_model(
 
 
 def load_weights(path: str | Path, settings: ModelConfig | None = None) -> PreTrainedModel:
-    """The bare model as stored, on the CPU, in `settings.dtype`: no tokenizer, no device, no decoding set-up.
-    What training, merging and scoring start from; the caller places it (a trainer moves it itself)."""
+    """The bare model as stored, on the CPU, in `settings.dtype` (for 'auto', that of the device `settings.device`
+    picks): no tokenizer, no device, no decoding set-up. What training, merging and scoring start from; the caller
+    places it (a trainer moves it itself)."""
     settings = settings or ModelConfig()
-    return AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=DTYPES[settings.dtype], trust_remote_code=settings.trust_remote_code
-    )
+    dtype = resolve_dtype(settings.dtype, pick_device(settings.device))
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=settings.trust_remote_code)
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
