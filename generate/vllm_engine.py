@@ -10,6 +10,8 @@ limits, preemption), so this module sizes its waves to make a split rare and ret
   needs only their last blocks in a step. `retried_pairs` counts them; the harvest's manifest records the count.
 
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the processor and this module share the ledger.
+That is also why there is no tensor parallelism yet: with it vLLM samples in worker processes, out of the ledger's
+reach.
 """
 
 from __future__ import annotations
@@ -47,7 +49,6 @@ class VllmSettings:
                   "preempting (and splitting) pairs."},
     )
     gpu_memory_utilization: float = field(default=0.85, metadata={"help": "Share of GPU memory vLLM takes."})
-    tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs one engine shards the model over."})
     enforce_eager: bool = field(
         default=True,
         metadata={"help": "Skip torch.compile and CUDA graphs: on 2 CPU cores compiling cost ~60 s per engine for "
@@ -56,8 +57,8 @@ class VllmSettings:
     max_retries: int = field(default=4, metadata={"help": "Times a split pair is retried before the harvest stops."})
 
     def __post_init__(self) -> None:
-        problems = [f"{name} must be >= 1" for name in ("max_num_seqs", "max_num_batched_tokens",
-                                                         "tensor_parallel_size") if getattr(self, name) < 1]
+        problems = [f"{name} must be >= 1" for name in ("max_num_seqs", "max_num_batched_tokens")
+                    if getattr(self, name) < 1]
         if self.max_num_seqs < 2:
             problems.append("max_num_seqs must be >= 2 (a pair is two requests)")
         if self.kv_cache_gib < 1 or not 0 < self.gpu_memory_utilization <= 1:
@@ -134,7 +135,7 @@ class VllmEngine:
             model=str(path), dtype=dtype, seed=seed, skip_tokenizer_init=True, trust_remote_code=trust_remote_code,
             logits_processors=[PairMixer], enable_prefix_caching=True, async_scheduling=False,
             max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
-            enforce_eager=settings.enforce_eager, tensor_parallel_size=settings.tensor_parallel_size,
+            enforce_eager=settings.enforce_eager,
             gpu_memory_utilization=settings.gpu_memory_utilization, **extra,
         )
 

@@ -81,6 +81,11 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
     if config.redumix.feedback == "human":
         _check_human_feedback(config.redumix.feedback_file, examples)
     if config.harvest.engine == "vllm":  # before the folder is claimed: a model vLLM cannot run is refused first
+        if world_size() > 1:
+            # vLLM's in-process engine takes over torch.distributed's default group when one exists, and the
+            # harvest's ranks hold one (its barriers), so each rank's engine would join the others' world.
+            raise ValueError("harvest.engine=vllm runs in one process for now: run it with NPROC=1, or set "
+                             "harvest.engine=hf to harvest on several ranks")
         on_cpu = pick_device(config.model.device).type == "cpu"
         check_engine_model(model_path(config.model.path, run), "harvest.engine", on_cpu)
     check_inputs(config.model, model_path(config.model.path, run), examples, config.sampling.max_new_tokens)
