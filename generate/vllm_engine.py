@@ -113,9 +113,9 @@ class VllmEngine:
     """An in-process `vllm.LLM` over a local Hugging Face folder, with the pair mixer loaded."""
 
     def __init__(self, path: str | Path, settings: VllmSettings, dtype: str, seed: int, device: str = "cpu",
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, key: str = "harvest.engine") -> None:
         on_cpu = not device.startswith("cuda")
-        check_engine_model(path, "harvest.engine", on_cpu)
+        check_engine_model(path, key, on_cpu)
         # The pair mixer's ledger is shared with this process, so the engine core must run in it.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if on_cpu:

@@ -59,7 +59,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "embedded": ("model", "embedded", "task"),
     "harvest": ("model", "embedded", "task", "sampling", "redumix", "harvest", "vllm"),
     "train": ("model", "embedded", "task", "harvest", "train"),
-    "eval": ("model", "embedded", "task", "sampling", *DECODER_SECTIONS, "eval"),
+    "eval": ("model", "embedded", "task", "sampling", *DECODER_SECTIONS, "eval", "vllm"),
     "export": (),
     "calibrate": ("model", "embedded", "task", "sampling", "reflective", "eval"),
 }

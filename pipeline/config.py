@@ -90,6 +90,11 @@ class EvalConfig:
                   "folder's name)."},
     )
     sample_temperature: float = field(default=0.7, metadata={"help": "Temperature of the `sample` decoder."})
+    engine: Literal["hf", "vllm"] = field(
+        default="hf",
+        metadata={"help": "What decodes greedy, sample and longhand: 'hf' or 'vllm' (`make vllm`; the `vllm` "
+                  "section). The other decoders need token-level control of the cache and stay on 'hf'."},
+    )
 
     def __post_init__(self) -> None:
         problems = [f"{name} must be >= 1" for name in ("n", "n_other", "batch_size") if getattr(self, name) < 1]

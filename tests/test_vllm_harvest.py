@@ -1,6 +1,6 @@
 """`harvest.engine=vllm`: every stage on vLLM, the same rows as the Hugging Face harvest (float rounding apart), a
-manifest that names the engine, and `train` reading the shards unchanged. The refusal of a model vLLM cannot run is
-checked with or without vLLM installed."""
+manifest that names the engine, and `train` reading the shards unchanged; `eval.engine=vllm`: the plain decoders'
+records equal Hugging Face's. The refusal of a model vLLM cannot run is checked with or without vLLM installed."""
 
 from __future__ import annotations
 
@@ -80,3 +80,26 @@ def test_vllm_harvest_equals_the_hf_harvest_and_trains(tmp_path, model_dir):
     result = run_train(load_config(ROOT / "recipes" / "tiny.yaml", settings), run)
     assert result["steps"] == 2
     assert (run.train / "merged" / "config.json").is_file()
+
+
+def test_eval_engine_vllm_decodes_the_plain_decoders_as_hf_does(tmp_path, model_dir, capsys):
+    from redumix.pipeline.eval import run_eval
+    from redumix.pipeline.records import read_records, records_path
+
+    settings = [f"model.path={model_dir}", "eval.n=4", "eval.n_other=4", "eval.batch_size=4",
+                "eval.checkpoints=[base]", "eval.decoders=[greedy, sample, vote@2]", "sampling.max_new_tokens=8",
+                "vllm.kv_cache_gib=1", "vllm.max_num_seqs=8"]
+    records = {}
+    for engine in ("hf", "vllm"):
+        run_eval(load_config(ROOT / "recipes" / "tiny.yaml", [*settings, f"eval.engine={engine}"]),
+                 RunDir(tmp_path / engine))
+        records[engine] = {
+            name: [{k: v for k, v in r.items() if k != "seconds"}
+                   for r in read_records(records_path(tmp_path / engine / "eval" / "generations", "base", name))]
+            for name in ("greedy", "sample", "vote@2")
+        }
+    assert "vote@2 needs token-level control of the cache, so it runs on Hugging Face" in capsys.readouterr().out
+    for name in ("greedy", "sample", "vote@2"):
+        assert len(records["vllm"][name]) == 4
+        assert records["vllm"][name] == records["hf"][name], name
+    assert [r["output"] for r in records["vllm"]["sample"]] != [r["output"] for r in records["vllm"]["greedy"]]
