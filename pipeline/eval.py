@@ -77,7 +77,7 @@ def run_eval(
         every_record[checkpoint] = records
         for decoder, recs in records.items():
             rows.append(summarize(checkpoint, decoder, recs, greedy=records.get(BASELINE),
-                                  details=DECODERS[family(decoder)].details))
+                                  details=decoders[family(decoder)].details))
             found = reflection_diagnostics(recs)
             if found is not None:
                 diagnostics[f"{checkpoint}/{decoder}"] = found

@@ -28,7 +28,7 @@ from redumix.generate.speculative import (
     speculative_generate,
 )
 from redumix.pipeline.config import REPO, load_config
-from redumix.pipeline.decoders import make_decoder
+from redumix.pipeline.decoders import DECODERS, make_decoder
 from redumix.pipeline.eval import run_eval
 from redumix.pipeline.report import report_markdown, summarize
 from redumix.pipeline.run import RunDir
@@ -383,7 +383,8 @@ def test_the_report_rows_of_other_decoders_are_unchanged():
     speculative = [dict(r, extra={"fpe_small": 20, "fpe_guide": 10, "tokens_small": 6, "tokens_guide": 4,
                                   "guide_steps": 2, "delimiter_points": 5, "guide_share": 0.4}) for r in records]
     plain_row = summarize("base", "greedy", records)
-    row = summarize("base", "speculative-thinking", speculative, greedy=records)
+    row = summarize("base", "speculative-thinking", speculative, greedy=records,
+                    details=DECODERS["speculative-thinking"].details)
     assert not {"fpe_small", "fpe_guide", "tokens_small", "tokens_guide", "guide_share"} & set(plain_row)
     assert (row["fpe_small"], row["fpe_guide"], row["tokens_small"], row["tokens_guide"]) == (20, 10, 6, 4)
     assert row["guide_share"] == pytest.approx(0.4) and row["guide_steps_per_example"] == 2

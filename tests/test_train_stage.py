@@ -149,7 +149,7 @@ def test_gradient_accumulation_gives_the_same_step(tmp_path: Path) -> None:
     for batch, accum in [(8, 1), (2, 4)]:
         out = RunDir(tmp_path / f"run-{batch}")
         out.root.mkdir()
-        (out.root / "base").symlink_to(run.embedded)
+        (out.root / "embedded").symlink_to(run.embedded)
         (out.root / "harvest").symlink_to(run.harvest)
         config = load_config(None, [*FAST, "train.adapter=full", "train.max_steps=1", "train.bf16=false",
                                     f"train.batch_size={batch}", f"train.grad_accum={accum}"])
