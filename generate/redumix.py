@@ -170,7 +170,7 @@ def redumix_generate(
         )
     ]
     stages = RedoStages(x_ids, attempts, y1, y1_text, r_text, reflections, c, c_text, cut, x2_ids,
-                     state.lengths.tolist())
+                        state.lengths.tolist())
     redo = mixture_loop(model, x_context, state, config.lam, config.topk, policy, seeds["redo"], stop_ids)
     mode = "self" if feedback is None else config.feedback
     return [redo_result(stages, i, products, usage[i], config.lam, mode, decode, stop_ids)
