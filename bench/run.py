@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
-from bench import bench_decode, bench_peers, bench_real, bench_reflective, bench_train
+from bench import bench_decode, bench_peers, bench_real, bench_reflective, bench_train, bench_vllm
 
 RESULTS = Path(__file__).with_name("results.json")
 
 
 def main() -> None:
     results: dict[str, object] = {}
-    for module in (bench_decode, bench_train, bench_reflective, bench_peers, bench_real):
+    for module in (bench_decode, bench_train, bench_reflective, bench_peers, bench_real, bench_vllm):
         began = time.perf_counter()
         results.update(module.run())
         print(f"{module.__name__}: {time.perf_counter() - began:.0f} s", flush=True)

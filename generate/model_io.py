@@ -6,10 +6,18 @@ import json
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Literal
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from redumix.generate.state import use_compiled_decoding
 
@@ -162,6 +170,19 @@ def refuse_shipped_code(path: Path, trust_remote_code: bool) -> None:
                 f"{file}: the model ships its own code (auto_map), and redumix runs no code from a model folder "
                 "unless the recipe says so; read that code, then set model.trust_remote_code: true to run it"
             )
+
+
+def folder_stop_ids(
+    path: str | Path, tokenizer: PreTrainedTokenizerBase, trust_remote_code: bool = False
+) -> list[int]:
+    """`stop_token_ids` of a model folder without loading its weights (for an engine that loads them itself): the
+    generation config the model would get, from generation_config.json or else from config.json."""
+    try:
+        generation = GenerationConfig.from_pretrained(path)
+    except OSError:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        generation = GenerationConfig.from_model_config(config)
+    return stop_token_ids(SimpleNamespace(generation_config=generation), tokenizer)
 
 
 def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -77,3 +77,16 @@ class PlainDecoder:
 
         messages = longhand_messages if self.longhand else attempt_messages
         return answer_directly(answer, model, tokenizer, examples, self.seed, self.name, messages)
+
+    def on_engine(self, engine, model: Model, tokenizer: Tokenizer, examples: Sequence[Example]) -> list[Decoded]:
+        """The same answers decoded by a `VllmEngine` (eval.engine=vllm): sampled rows draw with the same noise, so
+        they equal this decoder's own up to float rounding. `model` gives the stop ids only."""
+        def answer(prompts, seeds, stop_ids, pad_id):
+            gens = engine.generate(prompts, seeds, self.policy, stop_ids, self.policy.max_new_tokens)
+            for gen, prompt in zip(gens, prompts, strict=True):  # the prompt counts, as decode_prompts counts it
+                gen.usage.prefill_tokens = len(prompt)
+                gen.usage.fpe += len(prompt)
+            return gens
+
+        messages = longhand_messages if self.longhand else attempt_messages
+        return answer_directly(answer, model, tokenizer, examples, self.seed, self.name, messages)

@@ -118,7 +118,7 @@ def redumix_generate(
 ) -> list[RedumixResult]:
     """Run the four ReDuMix stages on a batch of prompts. Each example's noise derives from `seed` and its id."""
     pad_id = tokenizer.pad_token_id
-    seeds = {stage: _seeds(seed, example_ids, stage) for stage in ("attempt", "critique", "reflect", "redo")}
+    seeds = {stage: stage_seeds(seed, example_ids, stage) for stage in ("attempt", "critique", "reflect", "redo")}
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     usage = [Usage() for _ in prompts]
 
@@ -164,21 +164,21 @@ def redumix_generate(
         u.prefill_tokens += len(seg)
         u.fpe += len(seg)
     x2_ids = [
-        _x2_prefix(x, ids, n, tokenizer) + tpl_reflect + ct + tpl_redo
+        x2_prefix(x, ids, n, tokenizer) + tpl_reflect + ct + tpl_redo
         for x, ids, n, tpl_reflect, ct, tpl_redo in zip(
             x_ids, y1_in_context, cut, reflect_pieces, c, redo_pieces, strict=True
         )
     ]
-    stages = _Stages(x_ids, attempts, y1, y1_text, r_text, reflections, c, c_text, cut, x2_ids,
-                     state.lengths.tolist())
+    stages = RedoStages(x_ids, attempts, y1, y1_text, r_text, reflections, c, c_text, cut, x2_ids,
+                        state.lengths.tolist())
     redo = mixture_loop(model, x_context, state, config.lam, config.topk, policy, seeds["redo"], stop_ids)
     mode = "self" if feedback is None else config.feedback
-    return [_result(stages, i, products, usage[i], config.lam, mode, decode, stop_ids)
+    return [redo_result(stages, i, products, usage[i], config.lam, mode, decode, stop_ids)
             for i, products in enumerate(redo)]
 
 
 @dataclass
-class _Stages:
+class RedoStages:
     """What stages 1-3 made and how x2 was built, per example of the batch."""
 
     x_ids: list[list[int]]
@@ -194,8 +194,8 @@ class _Stages:
     x2_lengths: list[int]  # positions the cache holds for x2
 
 
-def _result(
-    stages: _Stages,
+def redo_result(
+    stages: RedoStages,
     i: int,
     redo: tuple[Generation, list[list[int]], list[list[float]], list[float]],
     usage: Usage,
@@ -262,14 +262,14 @@ def _critiques(
     return [tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True) for g in critiques]
 
 
-def _x2_prefix(x: list[int], y1: list[int], cut: int, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def x2_prefix(x: list[int], y1: list[int], cut: int, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """x ‖ y1 as the cache holds it: a row whose y1 was cut to fit the window holds x ‖ note ‖ the rest of y1."""
     if not cut:
         return x + y1
     return x + tokenizer(COMPRESSION_NOTE, add_special_tokens=False)["input_ids"] + y1
 
 
-def _seeds(global_seed: int, example_ids: Sequence[str], stage: str) -> torch.Tensor:
+def stage_seeds(global_seed: int, example_ids: Sequence[str], stage: str) -> torch.Tensor:
     return torch.tensor([example_seed(global_seed, f"{eid}/{stage}") for eid in example_ids], dtype=torch.long)
 
 
@@ -306,6 +306,34 @@ def _continue(
     return gens, state
 
 
+def window_cuts(
+    window: int | None,
+    tokenizer: PreTrainedTokenizerBase,
+    y1: list[list[int]],
+    x_ids: list[list[int]],
+    reflect_convs: list[list[dict]],
+    reflect_pieces: list[list[int]],
+    config: RedumixConfig,
+    policy: SamplingPolicy,
+) -> list[int]:
+    """Tokens of y1 to cut per row so that x2 and the redo fit the window (the vLLM harvest uses it too)."""
+    if not window:
+        return [0] * len(y1)
+    # Worst case of x2 plus the redo: x ‖ y1 ‖ r + REFLECT ‖ c (at its cap) ‖ REDO ‖ y (at its cap).
+    redo_piece = [
+        template_pieces(tokenizer, [*conv, {"role": "assistant", "content": ""}, {"role": "user", "content": REDO}])[2]
+        for conv in reflect_convs
+    ]
+    note_len = len(tokenizer(COMPRESSION_NOTE, add_special_tokens=False)["input_ids"])
+    cut = []
+    for x, ids, piece1, piece2 in zip(x_ids, y1, reflect_pieces, redo_piece, strict=True):
+        worst = len(x) + len(ids) + len(piece1) + config.reflection_max_tokens + len(piece2) + policy.max_new_tokens
+        overflow = worst - window
+        # An attempt no longer than the note cannot be shortened by replacing its start with the note.
+        cut.append(0 if overflow <= 0 or len(ids) <= note_len else min(len(ids), overflow + note_len))
+    return cut
+
+
 def _fit_window(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -325,20 +353,7 @@ def _fit_window(
     stage-3 segment for it is then only the template text after y1.
     """
     window = getattr(model.config, "max_position_embeddings", None)
-    if not window:
-        return state, [0] * len(y1)
-    # Worst case of x2 plus the redo: x ‖ y1 ‖ r + REFLECT ‖ c (at its cap) ‖ REDO ‖ y (at its cap).
-    redo_piece = [
-        template_pieces(tokenizer, [*conv, {"role": "assistant", "content": ""}, {"role": "user", "content": REDO}])[2]
-        for conv in reflect_convs
-    ]
-    note_len = len(tokenizer(COMPRESSION_NOTE, add_special_tokens=False)["input_ids"])
-    cut = []
-    for x, ids, piece1, piece2 in zip(x_ids, y1, reflect_pieces, redo_piece, strict=True):
-        worst = len(x) + len(ids) + len(piece1) + config.reflection_max_tokens + len(piece2) + policy.max_new_tokens
-        overflow = worst - window
-        # An attempt no longer than the note cannot be shortened by replacing its start with the note.
-        cut.append(0 if overflow <= 0 or len(ids) <= note_len else min(len(ids), overflow + note_len))
+    cut = window_cuts(window, tokenizer, y1, x_ids, reflect_convs, reflect_pieces, config, policy)
     if not any(cut):
         return state, cut
     note = tokenizer(COMPRESSION_NOTE, add_special_tokens=False)["input_ids"]

@@ -57,9 +57,9 @@ STAGES: dict[str, Stage] = {
 DECODER_SECTIONS = tuple(dict.fromkeys(e.section[0] for e in DECODERS.values() if e.section))
 SECTIONS: dict[str, tuple[str, ...]] = {
     "embedded": ("model", "embedded", "task"),
-    "harvest": ("model", "embedded", "task", "sampling", "redumix", "harvest"),
+    "harvest": ("model", "embedded", "task", "sampling", "redumix", "harvest", "vllm"),
     "train": ("model", "embedded", "task", "harvest", "train"),
-    "eval": ("model", "embedded", "task", "sampling", *DECODER_SECTIONS, "eval"),
+    "eval": ("model", "embedded", "task", "sampling", *DECODER_SECTIONS, "eval", "vllm"),
     "export": (),
     "calibrate": ("model", "embedded", "task", "sampling", "reflective", "eval"),
 }

@@ -24,6 +24,7 @@ from redumix.generate.policy import SamplingPolicy
 from redumix.generate.redumix import RedumixConfig
 from redumix.generate.reflective import ReflectiveConfig
 from redumix.generate.speculative import SpeculativeConfig
+from redumix.generate.vllm_engine import VllmSettings
 from redumix.pipeline.decoders import DEFAULT_DECODERS, decoders_help
 from redumix.pipeline.evidence_arms import ARMS, arms_help
 from redumix.pipeline.resolve import ConfigError, resolve
@@ -43,6 +44,13 @@ class HarvestConfig:
     skip: int = field(
         default=0,
         metadata={"help": "Harvest the split's examples [skip, skip + n); `rounds` moves it on by n each round."},
+    )
+    engine: Literal["hf", "vllm"] = field(
+        default="hf",
+        metadata={"help": "What decodes the harvest: 'hf', redumix's own loop on transformers, or 'vllm', every "
+                  "stage on an in-process vLLM engine with the redo as paired requests (`make vllm` installs it; "
+                  "settings in the `vllm` section; not the embedded default, whose head_dim vLLM's CPU kernel "
+                  "lacks)."},
     )
 
     def __post_init__(self) -> None:
@@ -82,6 +90,11 @@ class EvalConfig:
                   "folder's name)."},
     )
     sample_temperature: float = field(default=0.7, metadata={"help": "Temperature of the `sample` decoder."})
+    engine: Literal["hf", "vllm"] = field(
+        default="hf",
+        metadata={"help": "What decodes greedy, sample and longhand: 'hf' or 'vllm' (`make vllm`; the `vllm` "
+                  "section). The other decoders need token-level control of the cache and stay on 'hf'."},
+    )
 
     def __post_init__(self) -> None:
         problems = [f"{name} must be >= 1" for name in ("n", "n_other", "batch_size") if getattr(self, name) < 1]
@@ -198,6 +211,7 @@ class Config:
     reflective: ReflectiveConfig = field(default_factory=ReflectiveConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     harvest: HarvestConfig = field(default_factory=HarvestConfig)
+    vllm: VllmSettings = field(default_factory=VllmSettings)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     rounds: RoundsConfig = field(default_factory=RoundsConfig)

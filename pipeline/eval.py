@@ -28,7 +28,7 @@ from redumix.common.ranks import barrier, init_distributed, peak_rss_mb, print0,
 from redumix.data.task import Task
 from redumix.data.tasks import flat_settings, make_task
 from redumix.generate.decoder import fingerprint
-from redumix.generate.model_io import load_model
+from redumix.generate.model_io import load_model, pick_device
 from redumix.pipeline.config import Config
 from redumix.pipeline.decoders import BASELINE, DECODERS, DecoderEntry, check_decoder_names, family, make_decoder
 from redumix.pipeline.embedded_stage import ensure_embedded
@@ -114,6 +114,7 @@ def evaluate_checkpoint(
 ) -> dict[str, list[dict]]:
     """Every listed decoder on one checkpoint, in order; a decoder may be built from the records before it."""
     model, tokenizer = load_model(path, config.model)
+    engine = _engine(config, path)
     weights = model_id(path)
     examples = task.examples(config.eval.split, max(config.eval.n, config.eval.n_other))
     results: dict[str, list[dict]] = {}
@@ -132,7 +133,7 @@ def evaluate_checkpoint(
             path if world_size() == 1 else rank_part(path, rank()),
             identity,
             mine,
-            lambda batch, decoder=decoder: decoder(model, tokenizer, batch, task),
+            _decode(decoder, engine, model, tokenizer, task),
             lambda example, out, seconds, name=name, identity=identity: make_record(
                 example, out, task, name, checkpoint, identity, seconds
             ),
@@ -147,6 +148,28 @@ def evaluate_checkpoint(
         by_id = {r["id"]: r for r in read_records(path) if r.get("model") == identity}
         results[name] = [by_id[e.id] for e in wanted]
     return results
+
+
+def _engine(config: Config, path: Path):
+    """The vLLM engine for this checkpoint when eval.engine=vllm (refused, naming the key, where vLLM cannot run)."""
+    if config.eval.engine != "vllm":
+        return None
+    if world_size() > 1:
+        raise ValueError("eval.engine=vllm runs in one process for now: run it with NPROC=1, or set eval.engine=hf")
+    from redumix.generate.vllm_engine import VllmEngine
+
+    return VllmEngine(path, config.vllm, config.model.dtype, config.seed, str(pick_device(config.model.device)),
+                      config.model.trust_remote_code, key="eval.engine")
+
+
+def _decode(decoder, engine, model, tokenizer, task: Task):
+    """A batch's decoding: on the engine where the decoder has an `on_engine` form, else on the Hugging Face model."""
+    if engine is not None and hasattr(decoder, "on_engine"):
+        return lambda batch: decoder.on_engine(engine, model, tokenizer, batch)
+    if engine is not None:
+        print0(f"eval: {decoder.name} needs token-level control of the cache, so it runs on Hugging Face "
+               "(eval.engine=vllm decodes greedy, sample and longhand)")
+    return lambda batch: decoder(model, tokenizer, batch, task)
 
 
 def rank_part(path: Path, index: int) -> Path:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -30,8 +31,9 @@ from redumix.data.shards import (
 )
 from redumix.data.task import Example, Task
 from redumix.data.tasks import make_task
-from redumix.generate.model_io import load_model, stop_token_ids
+from redumix.generate.model_io import folder_stop_ids, load_model, load_tokenizer, pick_device, stop_token_ids
 from redumix.generate.redumix import FeedbackFn, RedumixResult, redumix_generate, task_feedback
+from redumix.generate.vllm_engine import check_engine_model
 from redumix.pipeline.config import Config
 from redumix.pipeline.embedded_stage import ensure_embedded
 from redumix.pipeline.harvest_folder import (
@@ -78,6 +80,14 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
         )
     if config.redumix.feedback == "human":
         _check_human_feedback(config.redumix.feedback_file, examples)
+    if config.harvest.engine == "vllm":  # before the folder is claimed: a model vLLM cannot run is refused first
+        if world_size() > 1:
+            # vLLM's in-process engine takes over torch.distributed's default group when one exists, and the
+            # harvest's ranks hold one (its barriers), so each rank's engine would join the others' world.
+            raise ValueError("harvest.engine=vllm runs in one process for now: run it with NPROC=1, or set "
+                             "harvest.engine=hf to harvest on several ranks")
+        on_cpu = pick_device(config.model.device).type == "cpu"
+        check_engine_model(model_path(config.model.path, run), "harvest.engine", on_cpu)
     check_inputs(config.model, model_path(config.model.path, run), examples, config.sampling.max_new_tokens)
     claim_folder(out, config, fingerprint, settings)
 
@@ -140,8 +150,7 @@ def _shard_problem(path: Path, ids: list[str], fingerprint: str) -> str | None:
 
 def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Example], shards: list[int]) -> None:
     path = model_path(config.model.path, run)
-    model, tokenizer = load_model(path, config.model)
-    stop_ids = stop_token_ids(model, tokenizer)
+    redumix_batch = _redumix_batch(config, path)
     size = config.harvest.shard_rows
     total = sum(len(examples[k * size : (k + 1) * size]) for k in shards)
     bar = tqdm(total=total, desc=f"harvest[rank {rank()}]", unit="ex", disable=rank() != 0 and world_size() > 1)
@@ -152,10 +161,7 @@ def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Examp
         for start in range(0, len(shard), config.harvest.batch_size):
             batch = shard[start : start + config.harvest.batch_size]
             began = time.perf_counter()
-            results = redumix_generate(
-                model, tokenizer, [e.prompt for e in batch], [e.id for e in batch], config.redumix, config.sampling,
-                config.seed, stop_ids, feedback_fn(config, task, batch),
-            )
+            results = redumix_batch([e.prompt for e in batch], [e.id for e in batch], feedback_fn(config, task, batch))
             seconds = (time.perf_counter() - began) / len(batch)
             made = [make_row(e, r, config, task, str(path), seconds) for e, r in zip(batch, results, strict=True)]
             rows += made
@@ -166,6 +172,28 @@ def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Examp
         atomic_write_bytes(run.harvest / shard_name(k), encode_shard(rows))
         log_metrics(run.metrics, "harvest", shard=k, rows=len(rows))
     bar.close()
+
+
+def _redumix_batch(config: Config, path: Path) -> Callable[[list[str], list[str], FeedbackFn | None], list]:
+    """ReDuMix on a batch (prompts, ids, feedback), on the engine that `harvest.engine` names. Both draw with the
+    same per-example noise, so their rows differ by float rounding only (tests/test_vllm_harvest.py)."""
+    if config.harvest.engine == "vllm":
+        from redumix.generate.vllm_engine import VllmEngine
+        from redumix.generate.vllm_redumix import redumix_generate_vllm
+
+        tokenizer = load_tokenizer(path, config.model.trust_remote_code)
+        stop_ids = folder_stop_ids(path, tokenizer, config.model.trust_remote_code)
+        window = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+        engine = VllmEngine(path, config.vllm, config.model.dtype, config.seed, str(pick_device(config.model.device)),
+                            config.model.trust_remote_code)
+        return lambda prompts, ids, feedback: redumix_generate_vllm(
+            engine, tokenizer, window, prompts, ids, config.redumix, config.sampling, config.seed, stop_ids, feedback
+        )
+    model, tokenizer = load_model(path, config.model)
+    stop_ids = stop_token_ids(model, tokenizer)
+    return lambda prompts, ids, feedback: redumix_generate(
+        model, tokenizer, prompts, ids, config.redumix, config.sampling, config.seed, stop_ids, feedback
+    )
 
 
 def feedback_fn(config: Config, task: Task, batch: list[Example]) -> FeedbackFn | None:

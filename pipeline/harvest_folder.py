@@ -18,6 +18,7 @@ from redumix.common.ranks import barrier, peak_rss_mb, rank
 from redumix.data.shards import bad_shards, iter_rows, shard_name, shard_paths, shard_record
 from redumix.data.task import Task
 from redumix.data.tasks import flat_settings
+from redumix.generate.vllm_engine import vllm_version
 from redumix.pipeline.config import Config
 from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.run import EMBEDDED
@@ -141,11 +142,15 @@ def harvest_manifest(config: Config, out: Path, n_shards: int, fingerprint: str)
     missing = [p.name for p in paths if not p.exists()]
     if missing:
         raise RuntimeError(f"harvest: shards {missing} are missing after every rank finished; rerun the harvest")
-    n = original_right = redo_right = fixed = broken = graded = redo_tokens = fpe = 0
+    n = original_right = redo_right = fixed = broken = graded = redo_tokens = fpe = retried = 0
     seconds = 0.0
+    engines = set()
     for row in iter_rows(paths):
         meta = json.loads(row["meta"])
         n += 1
+        engine = meta.get("engine", {"name": "hf"})  # rows of the Hugging Face path carry no engine entry
+        engines.add(engine["name"])
+        retried += engine.get("retries", 0)
         redo_tokens += len(row["redo_token_ids"])
         fpe += meta["fpe"]
         seconds += meta["seconds"]
@@ -176,6 +181,11 @@ def harvest_manifest(config: Config, out: Path, n_shards: int, fingerprint: str)
         "fpe": fpe,
         "decode_seconds": round(seconds, 2),
         "examples_per_s": round(n / seconds, 2) if seconds else None,
+        # the engines that decoded the rows (two after a resume on the other one), the ReDuMix pairs vLLM split and
+        # decoded again (counted once per retry), and vLLM's version where it ran
+        "engine": "+".join(sorted(engines)) or config.harvest.engine,
+        "retried_pairs": retried,
+        "vllm_version": vllm_version() if "vllm" in engines else None,
         "peak_rss_mb": peak_rss_mb(),  # this process's (rank 0's) peak: shards stream, so n does not raise it
     }
 

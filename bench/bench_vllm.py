@@ -1,0 +1,84 @@
+"""vLLM against the Hugging Face harvest (`make bench`, and `python -m bench.bench_vllm` alone). Both run ReDuMix's
+four stages on the same examples, model and dtype (float32), timed side by side, interleaved, median kept:
+
+  harvest_vllm_vs_hf_smollm2_b{B}           harvest tokens/s (every generated token of every stage), vLLM's over
+                                            `redumix_generate`'s; SmolLM2-135M-Instruct's real weights (`make
+                                            smollm2`), the recipe's arith task, verifier feedback, greedy, 32
+                                            tokens a stage. A CPU figure, not a GPU one; reported whatever it is.
+  ..._hf_tokens_per_s, ..._vllm_tokens_per_s  the two rates behind the ratio
+  ..._redo_ids_differ                       examples whose redo ids differ between the engines (float rounding
+                                            can flip a near tie of a real model, and everything after it)
+  ..._retried_pairs                         split pairs the engine decoded again over the whole run
+
+Engine construction and the first (warm-up) call of each side are excluded. Without vLLM or the SmolLM2 folder
+the keys say why they were skipped.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+from redumix.data.tasks import make_task
+from redumix.generate.model_io import folder_stop_ids, load_model
+from redumix.generate.redumix import redumix_generate, task_feedback
+from redumix.generate.vllm_engine import VllmSettings, vllm_version
+from redumix.pipeline.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"
+SETTINGS = ["sampling.max_new_tokens=32", "redumix.reflection_max_tokens=32", "sampling.temperature=0"]
+
+
+def run(batch: int = 16, repeats: int = 2) -> dict[str, object]:
+    key = f"harvest_vllm_vs_hf_smollm2_b{batch}"
+    if vllm_version() is None:
+        return {key: "skipped: vLLM is not installed (`make vllm`)"}
+    if not (SMOLLM2 / "config.json").is_file():
+        return {key: f"skipped: no {SMOLLM2.relative_to(ROOT)} (`make smollm2`)"}
+    from redumix.generate.vllm_engine import VllmEngine
+    from redumix.generate.vllm_redumix import redumix_generate_vllm
+
+    config = load_config(ROOT / "recipes" / "smollm2-135m-arith.yaml", SETTINGS)
+    task = make_task(config.task, config.seed)
+    examples = task.examples("train", batch)
+    prompts, ids = [e.prompt for e in examples], [e.id for e in examples]
+    feedback = task_feedback("verifier", task, examples, config.seed)
+    model, tokenizer = load_model(SMOLLM2, config.model)
+    stop_ids = folder_stop_ids(SMOLLM2, tokenizer)
+    engine = VllmEngine(SMOLLM2, VllmSettings(kv_cache_gib=2), config.model.dtype, config.seed)
+    window = model.config.max_position_embeddings
+
+    def hf():
+        return redumix_generate(model, tokenizer, prompts, ids, config.redumix, config.sampling, config.seed,
+                                stop_ids, feedback)
+
+    def vllm():
+        return redumix_generate_vllm(engine, tokenizer, window, prompts, ids, config.redumix, config.sampling,
+                                     config.seed, stop_ids, feedback)
+
+    hf(), vllm()  # warm-up: the first calls pay one-off set-up
+    rates: dict[str, list[float]] = {"hf": [], "vllm": []}
+    results = {}
+    for _ in range(repeats):
+        for name, fn in (("hf", hf), ("vllm", vllm)):
+            began = time.perf_counter()
+            results[name] = fn()
+            seconds = time.perf_counter() - began
+            rates[name].append(sum(r.usage.generated_tokens for r in results[name]) / seconds)
+    hf_rate, vllm_rate = statistics.median(rates["hf"]), statistics.median(rates["vllm"])
+    differ = sum(a.redo_token_ids != b.redo_token_ids for a, b in zip(results["hf"], results["vllm"], strict=True))
+    return {
+        key: round(vllm_rate / hf_rate, 3),
+        f"{key}_hf_tokens_per_s": round(hf_rate, 1),
+        f"{key}_vllm_tokens_per_s": round(vllm_rate, 1),
+        f"{key}_redo_ids_differ": differ,
+        f"{key}_retried_pairs": engine.retried_pairs,
+    }
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run(), indent=2))

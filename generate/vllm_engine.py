@@ -1,0 +1,235 @@
+"""vLLM as the decoding engine: plain requests and ReDuMix pairs on an in-process `vllm.LLM`.
+
+The mixture is two requests per example, x and x2, that `vllm_pairs.PairMixer` (a V1 logits processor) decodes in
+step from p_mix. vLLM never promises to decode both members of a pair in one step (chunked prefill, admission
+limits, preemption), so this module sizes its waves to make a split rare and retries every split pair:
+- a wave holds at most `max_num_seqs // 2` pairs, whose prompts together fit one step's token budget
+  (`max_num_batched_tokens`), so every prompt of a wave is prefilled in its first step;
+- a split pair (the ledger says so, or its two outputs differ, or a token has no recorded draw) is never returned:
+  it goes into the next wave, up to `max_retries` more times. The prefix cache holds its prompts by then, so a retry
+  needs only their last blocks in a step. `retried_pairs` counts them; the harvest's manifest records the count.
+
+The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the processor and this module share the ledger.
+That is also why there is no tensor parallelism yet: with it vLLM samples in worker processes, out of the ledger's
+reach.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from redumix.generate.loop import Generation, generation_from
+from redumix.generate.policy import SamplingPolicy
+
+# The CPU attention kernel's head sizes (vLLM 0.32's CPUAttentionBackend.get_supported_head_sizes); asked of vLLM
+# itself when it is installed, and kept here so that a refusal can be explained before vLLM is imported.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+@dataclass
+class VllmSettings:
+    """`vllm`: the engine that `harvest.engine=vllm` decodes with (docs/multiprocess-and-gpus.md)."""
+
+    max_num_seqs: int = field(
+        default=64, metadata={"help": "Requests vLLM runs at once; a wave of ReDuMix pairs holds half as many pairs."}
+    )
+    max_num_batched_tokens: int = field(
+        default=16384,
+        metadata={"help": "Tokens vLLM processes per step. A wave's prompts fit in one step, so pairs stay in step; "
+                  "smaller values split pairs, which are detected and retried."},
+    )
+    kv_cache_gib: int = field(
+        default=4,
+        metadata={"help": "KV cache size on a CPU (VLLM_CPU_KVCACHE_SPACE); room for a wave keeps vLLM from "
+                  "preempting (and splitting) pairs."},
+    )
+    gpu_memory_utilization: float = field(default=0.85, metadata={"help": "Share of GPU memory vLLM takes."})
+    enforce_eager: bool = field(
+        default=True,
+        metadata={"help": "Skip torch.compile and CUDA graphs: on 2 CPU cores compiling cost ~60 s per engine for "
+                  "no gain at these sizes; set false on a GPU."},
+    )
+    max_retries: int = field(default=4, metadata={"help": "Times a split pair is retried before the harvest stops."})
+
+    def __post_init__(self) -> None:
+        problems = [f"{name} must be >= 1" for name in ("max_num_seqs", "max_num_batched_tokens")
+                    if getattr(self, name) < 1]
+        if self.max_num_seqs < 2:
+            problems.append("max_num_seqs must be >= 2 (a pair is two requests)")
+        if self.kv_cache_gib < 1 or not 0 < self.gpu_memory_utilization <= 1:
+            problems.append("kv_cache_gib must be >= 1 and gpu_memory_utilization in (0, 1]")
+        if self.max_retries < 0:
+            problems.append(f"max_retries must be >= 0, got {self.max_retries}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version, or None when it is not installed (`make vllm` adds it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def check_engine_model(path: str | Path, key: str, on_cpu: bool) -> None:
+    """Refuse what vLLM cannot run, before anything loads: no vLLM installed, or (on a CPU) a head size its attention
+    kernel lacks. The embedded default (head_dim 24) is such a model; SmolLM2 and Qwen2.5 (64, 128) are not."""
+    if vllm_version() is None:
+        raise ValueError(f"{key}=vllm needs vLLM, which is not installed: run `make vllm` (or set {key}=hf)")
+    if not (Path(path) / "config.json").is_file():
+        return  # the preflight check names the missing folder and says what to do
+    config = json.loads((Path(path) / "config.json").read_text())
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if on_cpu and head not in CPU_HEAD_SIZES:
+        raise ValueError(
+            f"{key}=vllm: {path} has head_dim {head}, and vLLM's CPU attention takes only head_dim in "
+            f"{list(CPU_HEAD_SIZES)} (the embedded default's is 24); set {key}=hf, or point model.path at a model "
+            "such as SmolLM2-135M or Qwen2.5 (head_dim 64 or 128)"
+        )
+
+
+@dataclass
+class MixedRedo:
+    """One pair's redo: the generation and, per token, the top-k of p_mix and the log of its tail."""
+
+    generation: Generation
+    topk_ids: list[list[int]]
+    topk_logprobs: list[list[float]]
+    tail_logprobs: list[float]
+    retries: int  # times this pair was split and decoded again
+
+
+class VllmEngine:
+    """An in-process `vllm.LLM` over a local Hugging Face folder, with the pair mixer loaded."""
+
+    def __init__(self, path: str | Path, settings: VllmSettings, dtype: str, seed: int, device: str = "cpu",
+                 trust_remote_code: bool = False, key: str = "harvest.engine") -> None:
+        on_cpu = not device.startswith("cuda")
+        check_engine_model(path, key, on_cpu)
+        # The pair mixer's ledger is shared with this process, so the engine core must run in it.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if on_cpu:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
+        from vllm import LLM
+
+        from redumix.generate.vllm_pairs import PairMixer
+
+        self.settings = settings
+        self.retried_pairs = 0
+        self._serial = itertools.count()
+        # A 32-token block (the CPU kernel's multiple) lets a retried pair find all but its prompts' last blocks in
+        # the prefix cache; async scheduling is off so that a request's output list is current when the processor
+        # reads its length (the index of the next draw).
+        extra = {"block_size": 32} if on_cpu else {}
+        self.llm = LLM(
+            model=str(path), dtype=dtype, seed=seed, skip_tokenizer_init=True, trust_remote_code=trust_remote_code,
+            logits_processors=[PairMixer], enable_prefix_caching=True, async_scheduling=False,
+            max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
+            enforce_eager=settings.enforce_eager,
+            gpu_memory_utilization=settings.gpu_memory_utilization, **extra,
+        )
+
+    # --- plain requests: the harvest's attempt, critique and reflection; eval's single-context decoders ----------
+
+    def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], policy: SamplingPolicy,
+                 stop_ids: Sequence[int], max_tokens: int) -> list[Generation]:
+        """Plain decoding of token-id prompts. Sampled rows draw with redumix's noise of (seed, output index), so a
+        row is the same whatever else is in the batch; greedy rows are vLLM's own argmax."""
+        params = [self._params(policy, stop_ids, max_tokens, None if policy.greedy else
+                               {"key": f"solo-{next(self._serial)}", "role": "solo", "seed": int(s)})
+                  for s in seeds]
+        outputs = self._run([list(p) for p in prompts], params)
+        return [generation_from(list(o.outputs[0].token_ids), stop_ids, 1) for o in outputs]
+
+    # --- ReDuMix pairs --------------------------------------------------------------------------------------------
+
+    def mix(self, x_ids: Sequence[Sequence[int]], x2_ids: Sequence[Sequence[int]], seeds: Sequence[int], lam: float,
+            topk: int, policy: SamplingPolicy, stop_ids: Sequence[int], max_tokens: int) -> list[MixedRedo]:
+        """Decode every example from p_mix of its two contexts, as a pair of requests; split pairs are retried."""
+        done: dict[int, MixedRedo] = {}
+        todo = list(range(len(x_ids)))
+        retries = dict.fromkeys(todo, 0)
+        for _ in range(self.settings.max_retries + 1):
+            for wave in self._waves(todo, x_ids, x2_ids):
+                done.update(self._mix_wave(wave, x_ids, x2_ids, seeds, lam, topk, policy, stop_ids, max_tokens,
+                                           retries))
+            todo = [i for i in todo if i not in done]
+            if not todo:
+                return [done[i] for i in range(len(x_ids))]
+            self.retried_pairs += len(todo)
+            for i in todo:
+                retries[i] += 1
+        raise RuntimeError(
+            f"vLLM split {len(todo)} ReDuMix pairs {self.settings.max_retries + 1} times in a row (the two requests "
+            "of a pair were not decoded in one step); raise vllm.max_num_batched_tokens and vllm.kv_cache_gib, or "
+            "lower vllm.max_num_seqs"
+        )
+
+    def _waves(self, todo: list[int], x_ids, x2_ids) -> list[list[int]]:
+        """Pairs packed so that a wave has at most max_num_seqs // 2 pairs and its prompts fit one step's budget."""
+        waves: list[list[int]] = []
+        tokens = 0
+        for i in todo:
+            need = len(x_ids[i]) + len(x2_ids[i])
+            full = waves and (len(waves[-1]) >= self.settings.max_num_seqs // 2
+                              or tokens + need > self.settings.max_num_batched_tokens)
+            if not waves or full:
+                waves.append([])
+                tokens = 0
+            waves[-1].append(i)
+            tokens += need
+        return waves
+
+    def _mix_wave(self, wave, x_ids, x2_ids, seeds, lam, topk, policy, stop_ids, max_tokens,
+                  retries) -> dict[int, MixedRedo]:
+        from redumix.generate.vllm_pairs import LEDGER, PairLog
+
+        keys = {i: f"pair-{next(self._serial)}" for i in wave}
+        prompts, params = [], []
+        for i in wave:
+            LEDGER[keys[i]] = PairLog()
+            spec = {"key": keys[i], "seed": int(seeds[i]), "lam": float(lam), "topk": int(topk)}
+            # x2, the longer prompt, first: vLLM admits requests in order, so a tight budget chunks x2, not x.
+            for role, ids in (("x2", x2_ids[i]), ("x", x_ids[i])):
+                prompts.append(list(ids))
+                params.append(self._params(policy, stop_ids, max_tokens, {**spec, "role": role}))
+        outputs = self._run(prompts, params)
+        done = {}
+        for j, i in enumerate(wave):
+            log = LEDGER.pop(keys[i])
+            x2_out, x_out = (list(o.outputs[0].token_ids) for o in outputs[2 * j: 2 * j + 2])
+            drawn = [log.draws.get(t) for t in range(len(x_out))]
+            stray = any(d is None or d[0] != tok for d, tok in zip(drawn, x_out, strict=True))  # undrawn tokens
+            if log.split or x_out != x2_out or stray:
+                continue  # a split pair: retried by `mix`, never returned
+            done[i] = MixedRedo(generation_from(x_out, stop_ids, 2), [d[1] for d in drawn], [d[2] for d in drawn],
+                                [d[3] for d in drawn], retries[i])
+        return done
+
+    def _params(self, policy: SamplingPolicy, stop_ids: Sequence[int], max_tokens: int, spec: dict | None):
+        from vllm import SamplingParams
+
+        from redumix.generate.vllm_pairs import TAG
+
+        extra = None
+        if spec is not None:
+            extra = {TAG: {**spec, "temperature": policy.temperature, "top_p": policy.top_p, "top_k": policy.top_k,
+                           "stop": int(stop_ids[0])}}
+        # temperature 0: vLLM takes the argmax of the row, which the processor has reduced to the drawn token.
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=list(stop_ids),
+                              detokenize=False, extra_args=extra)
+
+    def _run(self, prompts: list[list[int]], params: list) -> list:
+        from vllm.inputs import TokensPrompt
+
+        return self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)

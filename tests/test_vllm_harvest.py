@@ -1,0 +1,105 @@
+"""`harvest.engine=vllm`: every stage on vLLM, the same rows as the Hugging Face harvest (float rounding apart), a
+manifest that names the engine, and `train` reading the shards unchanged; `eval.engine=vllm`: the plain decoders'
+records equal Hugging Face's. The refusal of a model vLLM cannot run is checked with or without vLLM installed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from redumix.pipeline.config import load_config
+from redumix.pipeline.harvest import run_harvest
+from redumix.pipeline.run import RunDir
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["harvest.n=4", "harvest.shard_rows=2", "harvest.batch_size=2", "sampling.max_new_tokens=8",
+         "sampling.temperature=1.0", "redumix.reflection_max_tokens=8", "redumix.topk=8", "vllm.kv_cache_gib=1",
+         "vllm.max_num_seqs=8"]
+
+
+def test_vllm_refuses_the_embedded_model_naming_the_key(tmp_path):
+    config = load_config(ROOT / "recipes" / "tiny.yaml", [*SMALL, "harvest.engine=vllm"])
+    with pytest.raises(ValueError, match=r"harvest.engine=vllm") as error:
+        run_harvest(config, RunDir(tmp_path))
+    # without vLLM: how to install it; with it: the embedded model's head_dim 24, which its CPU kernel lacks
+    assert "make vllm" in str(error.value) or "head_dim 24" in str(error.value)
+    assert not (tmp_path / "harvest" / "manifest.json").exists()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A random head_dim-64 Llama over the embedded model's tokenizer and chat template."""
+    pytest.importorskip("vllm", reason="vLLM is not installed in this environment; `make vllm` adds it")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=768, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                         initializer_range=0.2, eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    folder = tmp_path_factory.mktemp("llama64-chat")
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(ROOT / "models" / "tiny-embedded" / name, folder / name)
+    return folder
+
+
+def _harvest(run_dir: Path, model_dir: Path, *extra: str) -> tuple[list[dict], dict]:
+    from redumix.data.shards import iter_rows, shard_paths
+
+    config = load_config(ROOT / "recipes" / "tiny.yaml", [f"model.path={model_dir}", *SMALL, *extra])
+    run_harvest(config, RunDir(run_dir))
+    rows = []
+    for row in iter_rows(shard_paths(run_dir / "harvest")):
+        meta = json.loads(row["meta"])
+        meta.pop("seconds")
+        meta.pop("engine", None)
+        rows.append({**row, "meta": meta})
+    return rows, json.loads((run_dir / "harvest" / "manifest.json").read_text())
+
+
+def test_vllm_harvest_equals_the_hf_harvest_and_trains(tmp_path, model_dir):
+    from tests.conftest import rows_differ
+
+    hf_rows, hf_manifest = _harvest(tmp_path / "hf", model_dir)
+    vllm_rows, manifest = _harvest(tmp_path / "vllm", model_dir, "harvest.engine=vllm")
+    assert rows_differ(vllm_rows, hf_rows) == []
+    assert len(vllm_rows) == 4 and all(len(r["redo_token_ids"]) > 0 for r in vllm_rows)
+    assert hf_manifest["engine"] == "hf" and hf_manifest["vllm_version"] is None
+    assert manifest["engine"] == "vllm" and manifest["retried_pairs"] == 0
+    assert manifest["vllm_version"] == "0.32.0"
+
+    from redumix.pipeline.train import run_train
+
+    run = RunDir(tmp_path / "vllm")
+    settings = [f"model.path={model_dir}", "train.batch_size=2", "train.max_steps=2", "train.adapter=full",
+                "train.heldout_fraction=0.25", "train.logging_steps=1", "train.warmup_ratio=0.0"]
+    result = run_train(load_config(ROOT / "recipes" / "tiny.yaml", settings), run)
+    assert result["steps"] == 2
+    assert (run.train / "merged" / "config.json").is_file()
+
+
+def test_eval_engine_vllm_decodes_the_plain_decoders_as_hf_does(tmp_path, model_dir, capsys):
+    from redumix.pipeline.eval import run_eval
+    from redumix.pipeline.records import read_records, records_path
+
+    settings = [f"model.path={model_dir}", "eval.n=4", "eval.n_other=4", "eval.batch_size=4",
+                "eval.checkpoints=[base]", "eval.decoders=[greedy, sample, vote@2]", "sampling.max_new_tokens=8",
+                "vllm.kv_cache_gib=1", "vllm.max_num_seqs=8"]
+    records = {}
+    for engine in ("hf", "vllm"):
+        run_eval(load_config(ROOT / "recipes" / "tiny.yaml", [*settings, f"eval.engine={engine}"]),
+                 RunDir(tmp_path / engine))
+        records[engine] = {
+            name: [{k: v for k, v in r.items() if k != "seconds"}
+                   for r in read_records(records_path(tmp_path / engine / "eval" / "generations", "base", name))]
+            for name in ("greedy", "sample", "vote@2")
+        }
+    assert "vote@2 needs token-level control of the cache, so it runs on Hugging Face" in capsys.readouterr().out
+    for name in ("greedy", "sample", "vote@2"):
+        assert len(records["vllm"][name]) == 4
+        assert records["vllm"][name] == records["hf"][name], name
+    assert [r["output"] for r in records["vllm"]["sample"]] != [r["output"] for r in records["vllm"]["greedy"]]
