@@ -27,7 +27,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from redumix.common.files import atomic_write_json, atomic_write_text, log_metrics, read_json
+from redumix.common.files import atomic_write_json, atomic_write_text, log_metrics, read_json, read_text
 from redumix.common.ranks import barrier, print0, rank
 from redumix.data.tasks import flat_settings, make_task
 from redumix.embedded.corpus import corpus_episodes
@@ -87,7 +87,7 @@ def build_base(config: Config, out_dir: Path, run: RunDir | None = None) -> dict
 
 
 def _read_text(path: Path) -> str | None:
-    return path.read_text() if path.is_file() else None
+    return read_text(path) if path.is_file() else None
 
 
 # Settings that change neither the weights nor metrics.json: a shipped build made with other values still applies.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -10,8 +9,11 @@ from typing import Literal
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from redumix.common.files import read_json
 from redumix.generate.state import use_compiled_decoding
 
+# What to do about a model folder file that does not read.
+COPY_AGAIN = "copy the model's files there again, or set model.path to another folder"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -102,7 +104,7 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrai
                 f"answers cannot end; set 'eos_token' (and 'pad_token') in {path / 'tokenizer_config.json'}"
             )
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any id will do
-    vocab = json.loads((path / "config.json").read_text()).get("vocab_size")
+    vocab = read_json(path / "config.json", fix=COPY_AGAIN).get("vocab_size")
     outside: dict[int, list[str]] = {}  # id -> the roles it plays (pad and eos are often one token)
     for role, i in (("pad", tokenizer.pad_token_id), ("eos", tokenizer.eos_token_id)):
         if isinstance(vocab, int) and i is not None and i >= vocab:
@@ -128,7 +130,7 @@ def refuse_shipped_code(path: Path, trust_remote_code: bool) -> None:
         return
     for name in ("config.json", "tokenizer_config.json"):
         file = path / name
-        if file.is_file() and "auto_map" in json.loads(file.read_text()):
+        if file.is_file() and "auto_map" in read_json(file, fix=COPY_AGAIN):
             raise ValueError(
                 f"{file}: the model ships its own code (auto_map), and redumix runs no code from a model folder "
                 "unless the recipe says so; read that code, then set model.trust_remote_code: true to run it"
