@@ -187,7 +187,9 @@ def test_recipe_not_yaml(tmp_path):
 def test_recipe_that_sets_nothing(tmp_path, capsys, text):
     recipe = tmp_path / "blank.yaml"
     recipe.write_text(text)
-    code, err = cli(capsys, "harvest", "--recipe", str(recipe), "--run-dir", str(tmp_path / "run"))
+    # model.path pointing nowhere: were the recipe taken, the harvest would stop at once instead of building a model
+    code, err = cli(capsys, "harvest", "--recipe", str(recipe), "--run-dir", str(tmp_path / "run"),
+                    f"model.path={tmp_path / 'nowhere'}")
     assert code == 2
     assert err.splitlines() == [f"redumix: {recipe}: the recipe sets nothing (it is empty or holds only comments); "
                                 "write its settings there, or pass the recipe you meant to --recipe"]
