@@ -37,6 +37,27 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_and_said_so(tmp_path, capsy
     assert "took over the lock" in out and "pid 999999 on elsewhere (eval stage" in out
 
 
+def test_temporary_files_a_killed_run_left_are_removed_by_the_next_holder(tmp_path, capsys):
+    """A process SIGKILLed between an atomic write's temporary file and its rename leaves `.NAME.XXXX.tmp` (train: a
+    `.saved.tmp/` folder); nothing else would ever remove it. The next process to hold the folder's lock does."""
+    import tempfile
+
+    (tmp_path / "harvest").mkdir()
+    fd, left = tempfile.mkstemp(prefix=".shard-00003.arrow.", suffix=".tmp", dir=tmp_path / "harvest")
+    os.write(fd, b"half a shard")
+    os.close(fd)
+    (tmp_path / "train" / ".saved.tmp").mkdir(parents=True)
+    (tmp_path / "train" / ".saved.tmp" / "model.safetensors").write_bytes(b"half a model")
+    kept = [tmp_path / "harvest" / "shard-00000.arrow", tmp_path / ".base.partial" / "checkpoint" / "state.json"]
+    for path in kept:  # finished files, and a base build's resume state, stay
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}")
+    with run_folder_lock(tmp_path, "harvest"):
+        assert not os.path.exists(left) and not (tmp_path / "train" / ".saved.tmp").exists()
+        assert all(path.exists() for path in kept)
+    assert f"removed 2 temporary file(s) that a stopped run left in {tmp_path}" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
 def test_outputs_are_as_readable_as_the_umask_says(tmp_path, mask, mode):
     before = os.umask(mask)
