@@ -31,6 +31,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -342,8 +343,10 @@ def test_chaos_kills_lose_nothing_and_redo_nothing(tmp_path):
         run_stage_with_kills(chaos, stage, quota=KILLS_PER_STAGE * (index + 1) - len(chaos.kills))
     run = chaos.run
     per_stage = {stage: sum(k.stage == stage for k in chaos.kills) for stage in STAGES}
+    swept = sum(int(m) for log in logs.glob("*.out") for m in re.findall(r"removed (\d+) temporary", log.read_text()))
     print(f"chaos: seed {seed}, {len(chaos.kills)} kills ({', '.join(f'{s} {n}' for s, n in per_stage.items())}) "
-          f"in {time.monotonic() - began:.0f} s", flush=True)
+          f"in {time.monotonic() - began:.0f} s; the reruns removed {swept} temporary file(s) that kills left",
+          flush=True)
     assert len(chaos.kills) >= 20, f"seed {seed}: only {len(chaos.kills)} kills landed"
 
     # The end state is the unbroken run's.
