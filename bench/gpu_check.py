@@ -22,7 +22,6 @@ before a GPU session does; the smoke's timings are not measurements of anything.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import tempfile
@@ -34,7 +33,7 @@ import torch
 from bench.bench_decode import timed
 from bench.harvest_vs_hf import Redo, Stages, decodable_only, hf_harvest, hf_redo, ours_harvest
 from bench.models import embedded_model, embedded_tokenizer, seeded_model, smollm2_shape_model
-from redumix.common.files import read_json
+from redumix.common.files import atomic_write_json, read_json
 from redumix.data.tasks import make_task
 from redumix.generate.model_io import ModelConfig, load_model
 from redumix.generate.state import use_compiled_decoding
@@ -164,10 +163,13 @@ def check_lora_step(device: str, size: Size) -> list[Row]:
         run_harvest(config, run)
         run_train(config, run)
         metrics = read_json(run.train / "metrics.json")
-    finite = all(math.isfinite(metrics[k]) for k in ("final_loss", "heldout_kl_base", "heldout_kl_merged"))
+    finite = all(metrics[k] is not None and math.isfinite(metrics[k])
+                 for k in ("final_loss", "heldout_kl_base", "heldout_kl_merged"))
     finite = finite and metrics["heldout_tokens"] > 0
-    result = (f"{metrics['steps']} steps, {metrics['seconds_per_step']:.3f} s/step, loss {metrics['final_loss']:.4f}, "
-              f"held-out KL {metrics['heldout_kl_base']:.4f} -> {metrics['heldout_kl_merged']:.4f}")
+    figure = {k: "null" if metrics[k] is None else f"{metrics[k]:.4f}"  # null: undefined (metrics.json says why)
+              for k in ("final_loss", "heldout_kl_base", "heldout_kl_merged")}
+    result = (f"{metrics['steps']} steps, {metrics['seconds_per_step']:.3f} s/step, loss {figure['final_loss']}, "
+              f"held-out KL {figure['heldout_kl_base']} -> {figure['heldout_kl_merged']}")
     setting = f"{device}, bf16 autocast {'on' if on_gpu else 'off'}"
     return [Row("LoRA train step (harvest + train stages)", "tiny-base", setting, result,
                 finite and metrics["steps"] == 2)]
@@ -282,7 +284,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     rows += check_throughput(args.device, size, smoke)
     print(table(rows))
     if args.json:
-        args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=1))
+        atomic_write_json(args.json, [r.__dict__ for r in rows])
     failed = [r.check for r in rows if r.ok is False]
     if failed:
         raise SystemExit(f"gpu-check: {len(failed)} checks failed: {', '.join(failed)}")

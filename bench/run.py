@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import torch
 
 from bench import bench_decode, bench_peers, bench_real, bench_reflective, bench_train, bench_vllm
+from redumix.common.files import atomic_write_json, json_text
 
 RESULTS = Path(__file__).with_name("results.json")
 
@@ -21,8 +21,8 @@ def main() -> None:
         results.update(module.run())
         print(f"{module.__name__}: {time.perf_counter() - began:.0f} s", flush=True)
     results["machine"] = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps(results, indent=2))
+    atomic_write_json(RESULTS, results)
+    print(json_text(results, indent=2))
 
 
 if __name__ == "__main__":

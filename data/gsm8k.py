@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from redumix.common.files import read_jsonl
 from redumix.data import grading
 from redumix.data.grading import as_number, extract_answer
-from redumix.data.jsonl import jsonl_objects
 from redumix.data.task import Example, Split
 
 
@@ -32,7 +32,7 @@ def load_gsm8k(path: Path, prompt_suffix: str = "") -> list[Example]:
             f"GSM8K file not found: {path} (set task.gsm8k.path to the folder holding {path.name})"
         )
     examples = []
-    for line_no, row in jsonl_objects(path):
+    for line_no, row in read_jsonl(path):
         where = f"{path}:{line_no}"
         if not isinstance(row, dict) or not isinstance(row.get("question"), str) or "answer" not in row:
             raise ValueError(
@@ -78,7 +78,7 @@ class Gsm8kTask:
         """GSM8K's own worked answers (`<<48/2=24>>` calculator notes and all), ending in `#### N`."""
         path = Path(self.config.path) / f"{split}.jsonl"
         ids = [e.id for e in self.examples(split, n)]
-        answers = [str(row["answer"]) for _, row in jsonl_objects(path)]
+        answers = [str(row["answer"]) for _, row in read_jsonl(path)]
         return dict(zip(ids, answers[: len(ids)], strict=True))
 
     # Graded as GSM8K is: the final number of a completion against the gold one.

@@ -1,23 +1,11 @@
-"""JSON Lines files: one object a line, errors that name the file and line."""
+"""Human feedback files: one JSON object a line with an id, errors that name the file and line (the lines are read
+by `redumix.common.files.read_jsonl`, which names a bad byte's or a bad line's file and line)."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-
-def jsonl_objects(path: Path) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed value) of every non-blank line; a bad line is an error naming the file and line."""
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({exc.msg}); fix or remove that line") from exc
+from redumix.common.files import read_jsonl
 
 
 def read_jsonl_by_id(path: Path, field_name: str) -> dict[str, str]:
@@ -30,7 +18,7 @@ def read_jsonl_by_id(path: Path, field_name: str) -> dict[str, str]:
         )
     out: dict[str, str] = {}
     first: dict[str, int] = {}  # id -> the line it first appeared on
-    for line_no, row in jsonl_objects(path):
+    for line_no, row in read_jsonl(path):
         if not isinstance(row, dict) or not isinstance(row.get("id"), str) or not isinstance(row.get(field_name), str):
             raise ValueError(
                 f"{path}:{line_no}: expected an object with string keys 'id' and {field_name!r}; "

@@ -11,12 +11,13 @@ shard under a temporary name and renames it, so a shard file that exists is comp
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from redumix.common.files import json_text
 
 SCHEMA = pa.schema(
     [
@@ -61,7 +62,7 @@ def encode_shard(rows: list[dict]) -> bytes:
     if missing:
         raise ValueError(f"shard rows lack columns {sorted(missing)}")
     columns = {c: [r[c] for r in rows] for c in schema.names}
-    columns["meta"] = [m if isinstance(m, str) else json.dumps(m, sort_keys=True) for m in columns["meta"]]
+    columns["meta"] = [m if isinstance(m, str) else json_text(m, sort_keys=True) for m in columns["meta"]]
     table = pa.table(columns, schema=schema)
     sink = pa.BufferOutputStream()
     options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=ZSTD_LEVEL))

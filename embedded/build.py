@@ -23,7 +23,7 @@ import torch
 import yaml
 from transformers import AutoTokenizer
 
-from redumix.common.files import atomic_write_text
+from redumix.common.files import atomic_write_text, read_text
 from redumix.common.ranks import print0
 from redumix.data.tasks import TaskConfig, flat_settings
 from redumix.embedded.config import EmbeddedConfig
@@ -79,7 +79,7 @@ def build_embedded(
 
 
 def read_text_or_none(path: Path) -> str | None:
-    return path.read_text() if path.is_file() else None
+    return read_text(path) if path.is_file() else None
 
 
 # Settings that change neither the weights nor metrics.json: a shipped build made with other values still applies.

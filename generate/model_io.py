@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +18,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from redumix.common.files import read_json
 from redumix.generate.state import use_compiled_decoding
 
+# What to do about a model folder file that does not read.
+COPY_AGAIN = "copy the model's files there again, or set model.path to another folder"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -139,7 +141,7 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrai
                 f"answers cannot end; set 'eos_token' (and 'pad_token') in {path / 'tokenizer_config.json'}"
             )
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any id will do
-    vocab = json.loads((path / "config.json").read_text()).get("vocab_size")
+    vocab = read_json(path / "config.json", fix=COPY_AGAIN).get("vocab_size")
     outside: dict[int, list[str]] = {}  # id -> the roles it plays (pad and eos are often one token)
     for role, i in (("pad", tokenizer.pad_token_id), ("eos", tokenizer.eos_token_id)):
         if isinstance(vocab, int) and i is not None and i >= vocab:
@@ -165,7 +167,7 @@ def refuse_shipped_code(path: Path, trust_remote_code: bool) -> None:
         return
     for name in ("config.json", "tokenizer_config.json"):
         file = path / name
-        if file.is_file() and "auto_map" in json.loads(file.read_text()):
+        if file.is_file() and "auto_map" in read_json(file, fix=COPY_AGAIN):
             raise ValueError(
                 f"{file}: the model ships its own code (auto_map), and redumix runs no code from a model folder "
                 "unless the recipe says so; read that code, then set model.trust_remote_code: true to run it"

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from redumix.common.files import read_jsonl
 from redumix.data.chat import prompt_ids
-from redumix.data.jsonl import jsonl_objects
 from redumix.data.prompts import attempt_messages
 from redumix.generate.model_io import load_model, stop_token_ids
 from redumix.generate.plain import generate_batch
@@ -46,7 +46,7 @@ def read_general_set(path: Path, n: int) -> GeneralSet:
         raise FileNotFoundError(f"evidence.general_path: {path} is not a file; point it at a JSONL file of "
                                 "'question'/'answer' objects (../shared/data/gsm8k/test.jsonl, say) or set it to null")
     questions, texts = [], []
-    for line_no, row in jsonl_objects(path):
+    for line_no, row in read_jsonl(path):
         if not (isinstance(row, dict) and isinstance(row.get("question"), str) and isinstance(row.get("answer"), str)
                 and row["question"].strip() and row["answer"].strip()):
             raise ValueError(f"{path}:{line_no}: expected an object with non-empty 'question' and 'answer' strings; "

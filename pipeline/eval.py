@@ -23,7 +23,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from redumix.common.files import atomic_write_bytes, atomic_write_json, atomic_write_text, log_metrics, read_json
+from redumix.common.files import atomic_write_json, atomic_write_jsonl, atomic_write_text, log_metrics, read_json
 from redumix.common.ranks import barrier, init_distributed, peak_rss_mb, print0, rank, world_size
 from redumix.data.task import Task
 from redumix.data.tasks import flat_settings, make_task
@@ -58,9 +58,11 @@ def run_eval(
     ensure_embedded(config, run)
     out = run.eval
     checkpoints = available_checkpoints(config, run)
-    report_path = out / "report.json"
+    report_path, plot_path = out / "report.json", out / "accuracy_vs_fpe.png"
     report_fingerprint = eval_fingerprint(config, task, checkpoints)
-    if report_path.exists() and read_json(report_path).get("fingerprint") == report_fingerprint:
+    if report_path.exists() and (done := read_json(report_path)).get("fingerprint") == report_fingerprint:
+        if rank() == 0 and not newer(plot_path, report_path):  # the last run stopped between report and plot
+            draw_plot(done["rows"], plot_path)
         print0(f"eval: complete ({report_path}), skipping. Delete it to evaluate again.")
         return
     examples = task.examples(config.eval.split, max(config.eval.n, config.eval.n_other))
@@ -90,12 +92,30 @@ def run_eval(
                          "models": {k: model_id(v) for k, v in checkpoints.items()}},
               "rows": rows, "tuned_vs_base": tuned_vs_base(every_record, base=config.eval.base_label),
               "diagnostics": diagnostics, "peak_rss_mb": peak_rss_mb()}
+    # The report first, whole (report.json, the completion marker, after its Markdown), then the plot drawn from it:
+    # a plot that fails is a warning, and a rerun after a stop between the two draws the plot (missing, or older
+    # than the report).
     atomic_write_text(out / "report.md", report_markdown(report, decoders))
-    plot_accuracy_vs_fpe(rows, out / "accuracy_vs_fpe.png")
-    atomic_write_json(report_path, report)  # last: its presence means the stage is complete
+    atomic_write_json(report_path, report)
+    draw_plot(rows, plot_path)
     for row in rows:
         log_metrics(run.metrics, "eval", **{k: v for k, v in row.items() if isinstance(v, (int, float, str))})
     print0(report_markdown(report, decoders))
+
+
+def draw_plot(rows: list[dict], path: Path) -> None:
+    """The accuracy-against-FPE plot of report rows. It comes after the report, which it never stops: a failure to
+    draw or write it is a warning."""
+    try:
+        plot_accuracy_vs_fpe(rows, path)
+    except Exception as exc:  # matplotlib and the file system raise many kinds; the report is already whole
+        print0(f"eval: warning: the plot {path} was not drawn ({type(exc).__name__}: {exc}); the report is complete, "
+               "and the next `redumix eval` draws the plot again")
+
+
+def newer(path: Path, than: Path) -> bool:
+    """Whether `path` exists and was written no earlier than `than`."""
+    return path.is_file() and path.stat().st_mtime_ns >= than.stat().st_mtime_ns
 
 
 def available_checkpoints(config: Config, run: RunDir) -> dict[str, Path]:
@@ -186,7 +206,7 @@ def gather_parts(path: Path, identity: str, examples: list, ranks: int) -> None:
     if missing:
         raise RuntimeError(f"eval: {path.name}: no record of {len(missing)} examples after every rank finished "
                            f"(e.g. {missing[:3]}); rerun the eval")
-    atomic_write_bytes(path, "".join(json.dumps(found[e.id]) + "\n" for e in examples).encode())
+    atomic_write_jsonl(path, [found[e.id] for e in examples])
     for part in parts:
         part.unlink(missing_ok=True)
 

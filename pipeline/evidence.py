@@ -21,6 +21,7 @@ it does alone; `evidence.json`, `evidence.md` and `evidence.png` are written las
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -225,8 +226,13 @@ def _accuracy(correct: dict[str, bool]) -> dict[str, Any]:
 def arm_summary(seeds: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """Mean and spread (min–max) over seeds of each measure."""
 
-    def spread(values: list[float]) -> dict[str, float]:
-        return {"mean": _mean(values), "min": min(values), "max": max(values), "values": values}
+    def spread(values: list[float | None]) -> dict[str, Any]:
+        """Over the seeds where the measure is defined (a held-out KL with no held-out rows is null); all None if
+        none is."""
+        defined = [v for v in values if v is not None and math.isfinite(v)]
+        if not defined:
+            return {"mean": None, "min": None, "max": None, "values": values}
+        return {"mean": _mean(defined), "min": min(defined), "max": max(defined), "values": values}
 
     def per_seed(key: str) -> list[float]:
         return [s[key] if not isinstance(s[key], dict) else _mean(list(s[key].values())) for s in seeds.values()]
@@ -291,10 +297,11 @@ def evidence_markdown(summary: dict[str, Any]) -> str:
         cells = [arm, str(len(a["seeds"])), _pct(a["test"]), _change(vb["test"])]
         if "variant" in parts:
             cells += [_pct(a["variant"]), _change(vb["variant"])]
-        cells += [_num(a["drift_kl"])]
+        cells += [_num(a["drift_kl"], "undefined (no answer tokens)")]
         if general:
-            cells += [_num(a["offtask_kl"]), _num(a["text_nll"])]
-        cells += [_num(a["heldout_kl"]), f"{a['seconds_per_step']['mean']:.3f}"]
+            cells += [_num(a["offtask_kl"], "undefined (no answer tokens)"),
+                      _num(a["text_nll"], "undefined (no text)")]
+        cells += [_num(a["heldout_kl"], "undefined (no held-out rows)"), f"{a['seconds_per_step']['mean']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"## Paired against `{ref}`", "",
               "| arm | " + " | ".join(f"{part}: change [95% CI] (gained / lost, p)" for part in parts) + " |",
@@ -314,7 +321,10 @@ def _pct(s: dict[str, float]) -> str:
     return f"{s['mean']:.1%} [{s['min']:.1%}–{s['max']:.1%}]"
 
 
-def _num(s: dict[str, float]) -> str:
+def _num(s: dict[str, Any], undefined: str = "undefined") -> str:
+    """Mean [min–max] over seeds; `undefined` (what to write, and why) when no seed has the measure."""
+    if s["mean"] is None:
+        return undefined
     if s["min"] == s["max"]:
         return f"{s['mean']:.4f}"
     return f"{s['mean']:.4f} [{s['min']:.4f}–{s['max']:.4f}]"
@@ -338,8 +348,9 @@ def plot_evidence(summary: dict[str, Any], path: Path) -> None:
     for ax, part in zip(axes[0], parts, strict=True):
         title = titles[part]
         means = [100 * summary["arms"][a][part]["mean"] for a in arms]
-        low = [m - 100 * summary["arms"][a][part]["min"] for a, m in zip(arms, means, strict=True)]
-        high = [100 * summary["arms"][a][part]["max"] - m for a, m in zip(arms, means, strict=True)]
+        # Never negative: seeds that agree give a mean a rounding error outside their min and max.
+        low = [max(0.0, m - 100 * summary["arms"][a][part]["min"]) for a, m in zip(arms, means, strict=True)]
+        high = [max(0.0, 100 * summary["arms"][a][part]["max"] - m) for a, m in zip(arms, means, strict=True)]
         ax.bar(range(len(arms)), means, yerr=[low, high], capsize=3, color="tab:blue")
         ax.axhline(100 * summary["base"][part]["accuracy"], color="black", linestyle="--", label="base")
         ax.set_xticks(range(len(arms)), arms, rotation=35, ha="right")

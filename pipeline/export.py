@@ -17,14 +17,19 @@ complete export is skipped.
 from __future__ import annotations
 
 import io
-import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 from datasets import Dataset, Features, List, Value
 
-from redumix.common.files import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
+from redumix.common.files import (
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_jsonl,
+    atomic_write_text,
+    read_json,
+)
 from redumix.common.ranks import print0, rank
 from redumix.data.prompts import attempt_messages, reflect_messages
 from redumix.data.shards import load_shards
@@ -82,7 +87,7 @@ def sft_rows(rows: Any) -> list[dict[str, Any]]:
 def write_set(out: Path, name: str, records: list[dict[str, Any]]) -> None:
     """NAME.jsonl, NAME.parquet and the dataset folder NAME/. The folder is built beside its place and renamed in;
     the manifest, written after every set, is what says the export is whole."""
-    atomic_write_text(out / f"{name}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    atomic_write_jsonl(out / f"{name}.jsonl", records, ensure_ascii=False)
     # Column by column, so that an empty set still has its columns (from_list([]) makes a table without any).
     features = FEATURES[name]
     dataset = Dataset.from_dict({key: [r[key] for r in records] for key in features}, features=features)

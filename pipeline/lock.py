@@ -4,13 +4,16 @@ Every stage the CLI starts holds `RUN_DIR/.redumix.lock` (an OS file lock, throu
 so two processes can never interleave shards, checkpoints or reports in one folder. Beside the lock,
 `.redumix.lock.json` says who holds it: pid, host, stage and since when. The kernel frees the lock of a process that
 dies however it dies (SIGKILL included), so a stale lock needs no clean-up by hand: the next run takes it, finds the
-dead holder's note and says that it took the lock over. Under torchrun, rank 0 takes the lock and every rank learns
+dead holder's note and says that it took the lock over. Holding the lock, it also removes the temporary files
+(`.NAME.*.tmp`, `.saved.tmp/`) that a process killed in the middle of an atomic write left: no one else can be
+writing them. Under torchrun, rank 0 takes the lock and every rank learns
 whether it did, so all ranks run or none does.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -59,9 +62,26 @@ def _acquire(lock: FileLock, root: Path, stage: str) -> bool:
     if stale:
         print0(f"redumix: took over the lock of {root} left by {_describe(stale)}, which is no longer running; "
                "its stage resumes from what it wrote")
+    removed = remove_temporaries(root)
+    if removed:
+        print0(f"redumix: removed {len(removed)} temporary file(s) that a stopped run left in {root}: "
+               f"{', '.join(str(p.relative_to(root)) for p in removed[:3])}{' ...' if len(removed) > 3 else ''}")
     atomic_write_json(holder_path, {"pid": os.getpid(), "host": socket.gethostname(), "stage": stage,
                                     "since": time.strftime("%Y-%m-%d %H:%M:%S")})
     return True
+
+
+def remove_temporaries(root: Path) -> list[Path]:
+    """Delete every `.*.tmp` file or folder under `root` (what an atomic write or a save under a temporary name leaves
+    when its process is killed before the rename); call it holding the lock. Returns what it removed."""
+    found = sorted(p for p in root.rglob(".*.tmp") if not any(parent.name.endswith(".tmp") for parent in
+                                                               p.relative_to(root).parents))
+    for path in found:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return found
 
 
 def _all_ranks_agree(taken: bool) -> bool:

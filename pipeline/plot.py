@@ -66,8 +66,9 @@ def n_caption(rows: list[dict]) -> str:
 def _plot_checkpoint(ax: Any, points: list[dict], checkpoint: str, color: str, marker: str) -> None:
     xs = [r["mean_fpe"] for r in points]
     ys = [100 * r["accuracy"] for r in points]
-    below = [100 * (r["accuracy"] - r["ci_low"]) for r in points]
-    above = [100 * (r["ci_high"] - r["accuracy"]) for r in points]
+    # A bar's length is never negative (matplotlib refuses one): a bound a rounding error inside its point draws as 0.
+    below = [max(0.0, 100 * (r["accuracy"] - r["ci_low"])) for r in points]
+    above = [max(0.0, 100 * (r["ci_high"] - r["accuracy"])) for r in points]
     ax.errorbar(xs, ys, yerr=[below, above], fmt="none", ecolor=color, capsize=3, alpha=0.6)
     front = sorted(pareto_front(points), key=lambda r: r["mean_fpe"])
     # A step after each front point: the best accuracy this checkpoint reaches for at most that much compute.

@@ -6,14 +6,13 @@ a rerun after a crash scores only what is missing.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tqdm import tqdm
 
-from redumix.common.files import atomic_write_bytes
+from redumix.common.files import REDO, atomic_write_jsonl, read_jsonl
 from redumix.data.task import Example, Task
 from redumix.generate.decoder import Decoded
 
@@ -25,7 +24,7 @@ def records_path(folder: Path, checkpoint: str, decoder: str) -> Path:
 def read_records(path: Path) -> list[dict]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [record for _, record in read_jsonl(path, fix=REDO)]
 
 
 def make_record(
@@ -76,7 +75,7 @@ def score_resumable(
         for example, output in zip(batch, outputs, strict=True):
             done[example.id] = to_record(example, output, seconds)
         wanted = [done[e.id] for e in examples if e.id in done]
-        atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in wanted).encode())
+        atomic_write_jsonl(path, wanted)
         bar.update(len(batch))
         bar.set_postfix(acc=f"{sum(r['correct'] for r in wanted) / len(wanted):.2f}")
     bar.close()

@@ -17,6 +17,8 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
+from redumix.common.files import read_text
+
 T = TypeVar("T")
 
 
@@ -64,9 +66,14 @@ def read_recipe(
     if not recipe.is_file():
         raise ConfigError(f"recipe not found: {recipe} (pass --recipe PATH to a YAML file, e.g. recipes/tiny.yaml)")
     try:
-        loaded = yaml.safe_load(recipe.read_text()) or {}
+        loaded = yaml.safe_load(read_text(recipe, fix="save the recipe as UTF-8"))
     except yaml.YAMLError as exc:
         raise ConfigError(_yaml_error(recipe, exc)) from exc
+    except ValueError as exc:  # a byte that is not UTF-8, named with its line
+        raise ConfigError(str(exc)) from exc
+    if not loaded:  # empty, only comments, or `{}`: a truncated file or the wrong one, not a wish for the defaults
+        raise ConfigError(f"{recipe}: the recipe sets nothing (it is empty or holds only comments); write its "
+                          "settings there, or pass the recipe you meant to --recipe")
     if not isinstance(loaded, dict):
         raise ConfigError(f"{recipe}: the top level must be a mapping of sections, got {type(loaded).__name__}")
     parent = loaded.pop(EXTENDS, None)

@@ -136,7 +136,8 @@ def summarize_rounds(config: Config, run: RunDir, done: int) -> dict[str, Any]:
                 row["improved"] = row[BASELINE]["vs_previous"]["low"] > 0
             trained = read_json(here.train / "metrics.json")
             harvested = read_json(here.harvest / "manifest.json")
-            row["heldout_kl"] = {"before": trained["heldout_kl_base"], "after": trained["heldout_kl_merged"]}
+            row["heldout_kl"] = {"before": trained["heldout_kl_base"], "after": trained["heldout_kl_merged"],
+                                 "note": trained.get("heldout_note")}  # why they are null, when they are
             row["harvest"] = {k: harvested.get(k) for k in ("rows", "skip", "original_accuracy", "redo_accuracy",
                                                             "fixed", "broken", "decode_seconds")}
             row["train"] = {"rows": trained.get("rows"), "steps": trained["steps"],
@@ -198,9 +199,15 @@ def rounds_markdown(summary: dict[str, Any]) -> str:
         drift = f"{row['drift_kl']:.4f}" if row.get("drift_kl") is not None else "–"
         tokens = f"{row[BASELINE]['mean_tokens']:.1f}" if BASELINE in row else "–"
         lines.append(f"| {row['round']} | {harvest} | {rows} | {t['steps']} | {t['wall_seconds']:.0f} | "
-                     f"{kl['before']:.4f} → {kl['after']:.4f} | {drift} | {tokens} | "
+                     f"{_kl_change(kl)} | {drift} | {tokens} | "
                      f"{', '.join(row['lost']) or 'none'} |")
     return "\n".join(lines) + "\n"
+
+
+def _kl_change(kl: dict[str, Any]) -> str:
+    if kl["before"] is None or kl["after"] is None:
+        return f"undefined ({kl.get('note') or 'no held-out tokens'})"
+    return f"{kl['before']:.4f} → {kl['after']:.4f}"
 
 
 def plot_rounds(summary: dict[str, Any], path: Path) -> None:
@@ -214,8 +221,8 @@ def plot_rounds(summary: dict[str, Any], path: Path) -> None:
     fig, (ax, drift) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [2, 1]})
     for decoder in summary["decoders"]:
         ys = [100 * row[decoder]["accuracy"] for row in rounds]
-        low = [y - 100 * row[decoder]["ci_low"] for y, row in zip(ys, rounds, strict=True)]
-        high = [100 * row[decoder]["ci_high"] - y for y, row in zip(ys, rounds, strict=True)]
+        low = [max(0.0, y - 100 * row[decoder]["ci_low"]) for y, row in zip(ys, rounds, strict=True)]  # never < 0
+        high = [max(0.0, 100 * row[decoder]["ci_high"] - y) for y, row in zip(ys, rounds, strict=True)]
         ax.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3, label=f"{decoder} (n={rounds[0][decoder]['n']})")
         lost = [(row["round"], 100 * row[decoder]["accuracy"]) for row in rounds if decoder in row.get("lost", [])]
         if lost:

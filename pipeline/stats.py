@@ -8,13 +8,16 @@ import math
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The 95% Wilson score interval of successes / n; (0, 1) with no trials. It always holds the point: at 0% or
+    100% a bound equals the point in exact arithmetic, and floating point may land it a hair inside (at 4 of 4 the
+    upper bound came out 0.9999999999999999), so each bound is clamped to the point as well as to [0, 1]."""
     if n == 0:
         return 0.0, 1.0
     p = successes / n
     denominator = 1 + z * z / n
     center = (p + z * z / (2 * n)) / denominator
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
-    return max(0.0, center - half), min(1.0, center + half)
+    return max(0.0, min(p, center - half)), min(1.0, max(p, center + half))
 
 
 def newcombe_paired_interval(

@@ -15,7 +15,6 @@ Multi-process runs come from torchrun (see the Makefile); `train.deepspeed` sele
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -153,10 +152,13 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
         tokenizer.save_pretrained(str(saved))
         _replace_dir(saved, merged)
 
-    # --- held-out KL(p_mix ‖ model), base against merged ------------------------------------------------------------
+    # --- held-out KL(p_mix ‖ model), base against merged: undefined (null, and why) with no held-out tokens --------
     device = train_device(config)
-    kl_base = heldout_kl(load_weights(model_path, config.model).to(device), held_examples, tokenizer.pad_token_id)
-    kl_merged = heldout_kl(load_weights(merged, config.model).to(device), held_examples, tokenizer.pad_token_id)
+    kl_base = kl_merged = None
+    no_heldout = heldout_missing(tc, len(rows), len(held_rows)) if len(held_examples) == 0 else None
+    if no_heldout is None:
+        kl_base = heldout_kl(load_weights(model_path, config.model).to(device), held_examples, tokenizer.pad_token_id)
+        kl_merged = heldout_kl(load_weights(merged, config.model).to(device), held_examples, tokenizer.pad_token_id)
     result = {
         "rows": counts,
         "method": tc.method if tc.method == "gkd" else f"sdft-{tc.sdft_teacher}",  # as the evidence arms name it
@@ -167,14 +169,16 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
         "final_loss": losses[-1] if losses else None,
         "heldout_kl_base": kl_base,
         "heldout_kl_merged": kl_merged,
+        **({"heldout_note": no_heldout} if no_heldout else {}),  # why the held-out KL is null
         "heldout_tokens": sum(len(e["input_ids"]) - e["prompt_length"] for e in held_examples),
         "wall_seconds": round(time.time() - started, 1),
         "peak_rss_mb": peak_rss_mb(),
         "inputs": inputs,  # the base and harvest it was made from: a rerun after either changed trains again
     }
     log_metrics(run.metrics, STAGE, **{k: v for k, v in result.items() if k != "rows"})
-    print0(f"train: held-out KL(p_mix ‖ model) per token: base {kl_base:.4f} -> merged {kl_merged:.4f} "
-           f"({result['heldout_tokens']} tokens); {result['steps']} steps in {result['wall_seconds']} s")
+    kl = (f"base {kl_base:.4f} -> merged {kl_merged:.4f} ({result['heldout_tokens']} tokens)" if no_heldout is None
+          else f"undefined ({no_heldout})")
+    print0(f"train: held-out KL(p_mix ‖ model) per token: {kl}; {result['steps']} steps in {result['wall_seconds']} s")
     atomic_write_json(run.train / "metrics.json", result)  # the completion marker, last
     return result
 
@@ -205,6 +209,17 @@ def forget_stale_outputs(out: Path, inputs: dict[str, str | None]) -> None:
                "it is stale, so it is trained again from the start")
         shutil.rmtree(out)
     atomic_write_json(record, inputs)
+
+
+def heldout_missing(tc: Any, selected: int, held_rows: int) -> str:
+    """Why there is no held-out token to score the KL on: metrics.json's `heldout_note` beside the null figures."""
+    if held_rows == 0 and tc.heldout_max_rows == 0:
+        return "train.heldout_max_rows=0 holds no rows out"
+    if held_rows == 0:
+        return (f"no held-out rows: train.heldout_fraction={tc.heldout_fraction} of the {selected} selected rows "
+                "held none out; harvest more rows, or raise train.heldout_fraction")
+    return (f"each of the {held_rows} held-out rows' prompt fills train.max_length={tc.max_length} by itself, "
+            "leaving no redo token to score")
 
 
 def base_model_path(config: Config, run: RunDir) -> Path:
@@ -253,7 +268,7 @@ def last_complete_checkpoint(folder: Path) -> str | None:
             steps.append((int(suffix), path))
     for _, path in sorted(steps, reverse=True):
         try:
-            json.loads((path / "trainer_state.json").read_text())
+            read_json(path / "trainer_state.json")
         except (OSError, ValueError):
             print0(f"train: {path.name} was not finished when the last run stopped; not resuming from it")
             continue

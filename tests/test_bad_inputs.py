@@ -182,6 +182,37 @@ def test_recipe_not_yaml(tmp_path):
         load_config(recipe)
 
 
+@pytest.mark.parametrize("text", ["", "\n\n", "# tiny, but the settings were never saved\n# name: mine\n", "{}\n"],
+                         ids=["empty", "blank-lines", "only-comments", "empty-mapping"])
+def test_recipe_that_sets_nothing(tmp_path, capsys, text):
+    recipe = tmp_path / "blank.yaml"
+    recipe.write_text(text)
+    # model.path pointing nowhere: were the recipe taken, the harvest would stop at once instead of building a model
+    code, err = cli(capsys, "harvest", "--recipe", str(recipe), "--run-dir", str(tmp_path / "run"),
+                    f"model.path={tmp_path / 'nowhere'}")
+    assert code == 2
+    assert err.splitlines() == [f"redumix: {recipe}: the recipe sets nothing (it is empty or holds only comments); "
+                                "write its settings there, or pass the recipe you meant to --recipe"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_no_recipe_given_runs_on_the_defaults(capsys):
+    """Leaving --recipe out is a choice, not a blank file: the CLI takes the bundled default recipe, and the library
+    the dataclass defaults."""
+    assert main(["config"]) == 0 and capsys.readouterr().out.startswith("name: tiny\n")
+    assert load_config(None).name == "default"
+
+
+def test_recipe_not_utf8(tmp_path, capsys):
+    recipe = tmp_path / "latin1.yaml"
+    recipe.write_bytes("harvest:\n  n: 4  # caf\xe9\n".encode("latin-1"))
+    code, err = cli(capsys, "harvest", "--recipe", str(recipe), "--run-dir", str(tmp_path / "run"))
+    assert code == 2
+    assert err.splitlines() == [f"redumix: {recipe}:2: not UTF-8 text (byte 0xe9 at column 14: invalid continuation "
+                                "byte); save the recipe as UTF-8"]
+    assert not (tmp_path / "run").exists()
+
+
 def test_override_without_a_value():
     with pytest.raises(ConfigError, match=r"command line: override 'harvest\.n' is not of the form key\.sub=value"):
         load_config(RECIPE, ["harvest.n"])
@@ -255,6 +286,22 @@ def test_gsm8k_bad_line(tmp_path, capsys, tiny_model_dir, bad_line, message):
     assert str(data / "train.jsonl") in line
     assert re.search(message, line), line
     assert not (tmp_path / "run" / "harvest").exists()  # the data is read before the folder is claimed
+
+
+@pytest.mark.parametrize("line_no", [1, 3])
+def test_gsm8k_byte_that_is_not_utf8(tmp_path, capsys, tiny_model_dir, line_no):
+    data = gsm8k_dir(tmp_path / "gsm8k", GOOD)
+    for split in ("train", "test"):
+        lines = (data / f"{split}.jsonl").read_bytes().split(b"\n")
+        latin1 = json.dumps({"question": "Café: 2 + 2?", "answer": "#### 4"}, ensure_ascii=False).encode("latin-1")
+        lines[line_no - 1] = latin1
+        (data / f"{split}.jsonl").write_bytes(b"\n".join(lines))
+    code, err = harvest_cli(capsys, tmp_path / "run", tiny_model_dir, "task.name=gsm8k", f"task.gsm8k.path={data}")
+    assert code == 1
+    assert one_error(err, "harvest") == (
+        f"redumix harvest: error: {data / 'train.jsonl'}:{line_no}: not UTF-8 text (byte 0xe9 at column 18: invalid "
+        "continuation byte); save the file as UTF-8, or fix or remove that line")
+    assert not (tmp_path / "run" / "harvest").exists()
 
 
 def test_gsm8k_empty_prompt_through_the_task(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 
 from redumix.pipeline.plot import n_caption, plot_accuracy_vs_fpe
 from redumix.pipeline.report import paired_with_greedy, report_markdown, summarize, tuned_vs_base
-from redumix.pipeline.stats import mcnemar_exact_p, newcombe_paired_interval, pareto_front
+from redumix.pipeline.stats import mcnemar_exact_p, newcombe_paired_interval, pareto_front, wilson_interval
 
 # Cavo et al. (2012), complete response before/after consolidation therapy: the worked example of Fagerland,
 # Lydersen & Laake, "Statistical Analysis of Contingency Tables" (2017), ch. 8, as printed by the authors' R package
@@ -30,6 +30,16 @@ def test_newcombe_interval_matches_the_published_worked_example():
     assert high == pytest.approx(-0.0046, abs=5e-5)
     # The correlation term matters here: without it (plain square-and-add) the interval would be wider.
     assert high - low < 0.12
+
+
+def test_the_wilson_interval_holds_its_point_at_every_n():
+    """At 0% and 100% a bound equals the point only in exact arithmetic: at 4 of 4 the upper bound came out
+    0.9999999999999999, a hair below the point, and eval's plot refused the negative error bar. The tests had tried
+    100% only at n = 3 and 2, where the rounding falls the safe way; this tries every count up to n = 400."""
+    for n in range(1, 401):
+        for k in range(n + 1):
+            low, high = wilson_interval(k, n)
+            assert 0.0 <= low <= k / n <= high <= 1.0, (k, n, low, high)
 
 
 def test_newcombe_interval_is_antisymmetric_in_the_direction_of_the_comparison():
@@ -201,6 +211,16 @@ def test_plot_marks_the_front_and_is_written(tmp_path):
     rows = [row("base", "greedy", 0.40, 100), row("base", "pdr", 0.38, 500), row("base", "redumix", 0.55, 300),
             row("tuned", "greedy", 0.50, 90), row("tuned", "sample", 0.50, 90)]
     path = tmp_path / "eval" / "accuracy_vs_fpe.png"
+    plot_accuracy_vs_fpe(rows, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_draws_decoders_at_0_and_100_percent(tmp_path):
+    """Rows summarised from real records (not bounds made up around the point) at the first counts where the Wilson
+    bound of 0% or 100% used to round inside its point."""
+    rows = [summarize("base", f"{'right' if right else 'wrong'}-{n}", [record(f"e{i}", right) for i in range(n)])
+            for n in (4, 10, 14) for right in (True, False)]
+    path = tmp_path / "accuracy_vs_fpe.png"
     plot_accuracy_vs_fpe(rows, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -38,6 +38,27 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_and_said_so(tmp_path, capsy
     assert "took over the lock" in out and "pid 999999 on elsewhere (eval stage" in out
 
 
+def test_temporary_files_a_killed_run_left_are_removed_by_the_next_holder(tmp_path, capsys):
+    """A process SIGKILLed between an atomic write's temporary file and its rename leaves `.NAME.XXXX.tmp` (train: a
+    `.saved.tmp/` folder); nothing else would ever remove it. The next process to hold the folder's lock does."""
+    import tempfile
+
+    (tmp_path / "harvest").mkdir()
+    fd, left = tempfile.mkstemp(prefix=".shard-00003.arrow.", suffix=".tmp", dir=tmp_path / "harvest")
+    os.write(fd, b"half a shard")
+    os.close(fd)
+    (tmp_path / "train" / ".saved.tmp").mkdir(parents=True)
+    (tmp_path / "train" / ".saved.tmp" / "model.safetensors").write_bytes(b"half a model")
+    kept = [tmp_path / "harvest" / "shard-00000.arrow", tmp_path / ".base.partial" / "checkpoint" / "state.json"]
+    for path in kept:  # finished files, and a base build's resume state, stay
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}")
+    with run_folder_lock(tmp_path, "harvest"):
+        assert not os.path.exists(left) and not (tmp_path / "train" / ".saved.tmp").exists()
+        assert all(path.exists() for path in kept)
+    assert f"removed 2 temporary file(s) that a stopped run left in {tmp_path}" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
 def test_outputs_are_as_readable_as_the_umask_says(tmp_path, mask, mode):
     before = os.umask(mask)
@@ -329,6 +350,9 @@ def _strict_json(path):
 @pytest.mark.parametrize("case, overrides, task", [
     ("0%, n=1", ["eval.n=1", "eval.n_other=1"], (False, False)),
     ("100%", ["eval.n=3", "eval.n_other=2"], (True, False)),
+    # n = 4: the Wilson bound of 100% rounded a hair inside its point, and the plot's error bar was negative
+    ("100%, n=4", ["eval.n=4", "eval.n_other=4"], (True, False)),
+    ("0%, n=4", ["eval.n=4", "eval.n_other=4"], (False, False)),
     ("no held-out examples", ["eval.n=3", "eval.n_other=2"], (True, True)),
     ("no decoders", ["eval.decoders=[]", "eval.n=3"], (True, False)),
 ])
@@ -352,6 +376,29 @@ def test_a_report_at_the_edges_is_complete_and_strict_json(tmp_path, tiny_model_
             assert row["accuracy"] == (1.0 if task[0] else 0.0)
     if "eval.decoders=[]" in overrides:
         assert report["rows"] == [] and "no decoder ran" in markdown.lower()
+
+
+def test_a_plot_that_fails_is_a_warning_and_the_report_is_whole(tmp_path, tiny_model_dir, capsys):
+    """The report comes first: a plot that cannot be written (here its path is a folder) leaves report.json and
+    report.md whole, and the next eval, finding the report complete, draws the missing plot."""
+    from redumix.pipeline.config import load_config
+    from redumix.pipeline.eval import run_eval
+    from redumix.pipeline.run import RunDir
+
+    config = load_config(ROOT / "recipes" / "tiny.yaml", [f"model.path={tiny_model_dir}", *SMALL, "eval.n=4",
+                                                          "eval.n_other=4", "eval.decoders=[greedy]",
+                                                          "eval.checkpoints=[base]"])
+    plot = tmp_path / "eval" / "accuracy_vs_fpe.png"
+    plot.mkdir(parents=True)
+    run_eval(config, RunDir(tmp_path), task=_FixedTask(True))
+    out = capsys.readouterr().out
+    assert f"eval: warning: the plot {plot} was not drawn (IsADirectoryError" in out
+    assert _strict_json(tmp_path / "eval" / "report.json")["rows"][0]["accuracy"] == 1.0
+    assert "| base | greedy |" in (tmp_path / "eval" / "report.md").read_text()
+    plot.rmdir()
+    run_eval(config, RunDir(tmp_path), task=_FixedTask(True))
+    assert "eval: complete" in capsys.readouterr().out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
