@@ -7,11 +7,12 @@ shared machine the same harvest took 8 s one time and 44 s the next). One kill i
 (the time until the CLI prints `redumix STAGE: run folder`, as long as it last took). The others fall, with even odds,
 after that line, a uniform fraction of the time the stage last took from it to a unit of work (a shard, a checkpoint,
 an eval record; or to its end once every unit is done), or after the attempt's first new unit, a uniform fraction of
-the time the stage last took from one unit to the next. So kills land in start-up, in a stage's set-up (the base's
-copy, loading the model), in the middle of a shard, a checkpoint or a record, in an atomic write, in the merge and in
-the final report, and a kill moves the work on by under a unit on average. Each stage is killed KILLS_PER_STAGE times
-(plus the kills an earlier stage did not land), or until its completion marker is written, and then runs to its end;
-a kill drawn after the attempt's end is no kill.
+the time the stage last took from one unit to the next; each window is scaled by the attempt's own pace so far (its
+start-up, or its time to that first unit, against the last ones seen). So kills land in start-up, in a stage's set-up
+(the base's copy, loading the model), in the middle of a shard, a checkpoint or a record, in an atomic write, in the
+merge and in the final report, and a kill moves the work on by under a unit on average. Each stage is killed
+KILLS_PER_STAGE times (plus the kills an earlier stage did not land), or until its completion marker is written, and
+then runs to its end; a kill drawn after the attempt's end is no kill.
 
 What is checked, besides the end state (shard rows, the manifest, train's metrics and weights, eval's report rows):
 - each rerun resumes from what was on disk at the kill: the harvest counts the shards that were there, train
@@ -161,9 +162,8 @@ def expected_resume(run: RunDir, stage: str) -> str | None:
 # --- one attempt ----------------------------------------------------------------------------------------------------
 
 
-def attempt(run: RunDir, log: Path, stage: str, kill: tuple[str, float] | None = None) -> Attempt:
-    """Run the stage's command and SIGKILL it, if it still runs, at `kill`: ("start", t) t seconds after its start,
-    ("ready", t) t seconds after its run-folder line, ("unit", t) t seconds after its first new unit of work."""
+def attempt(run: RunDir, log: Path, stage: str, kill: KillAt | None = None) -> Attempt:
+    """Run the stage's command, and SIGKILL it at `kill` if it still runs then."""
     command = [sys.executable, "-m", "redumix.pipeline.cli", stage, "--recipe", str(RECIPE), "--run-dir",
                str(run.root), *SETTINGS]
     ready, seen = f"redumix {stage}: run folder", units_done(run, stage)
@@ -184,7 +184,7 @@ def attempt(run: RunDir, log: Path, stage: str, kill: tuple[str, float] | None =
                     second = now - startup
             if code is not None:
                 break
-            if kill is not None and (due := kill_time(kill, startup, to_unit)) is not None and now >= due:
+            if kill is not None and (due := kill.due(startup, to_unit)) is not None and now >= due:
                 process.send_signal(signal.SIGKILL)
                 process.wait()
                 code = None
@@ -197,24 +197,38 @@ def attempt(run: RunDir, log: Path, stage: str, kill: tuple[str, float] | None =
     return Attempt(code, now, startup, to_unit, unit_gap, log.read_text(errors="replace"))
 
 
-def kill_time(kill: tuple[str, float], startup: float | None, to_unit: float | None) -> float | None:
-    """Seconds after the start at which `kill` falls, once the attempt has got far enough to say."""
-    kind, value = kill
-    if kind == "start":
-        return value
-    if kind == "ready":
-        return None if startup is None else startup + value
-    return None if startup is None or to_unit is None else startup + to_unit + value
+@dataclass
+class KillAt:
+    """When to kill an attempt: `fraction` of a `window` (seconds the stage last took for that stretch) after an
+    anchor: the start, the run-folder line, or the first new unit of work. The last two scale the window by this
+    attempt's pace so far against `reference` (its start-up, or its time to that unit, against the last seen)."""
+
+    anchor: str  # "start", "ready" or "unit"
+    fraction: float
+    window: float
+    reference: float = 1.0
+
+    def due(self, startup: float | None, to_unit: float | None) -> float | None:
+        """Seconds after the start, once the attempt has got far enough to say."""
+        if self.anchor == "start":
+            return self.fraction * self.window
+        if startup is None or (self.anchor == "unit" and to_unit is None):
+            return None
+        if self.anchor == "ready":
+            return startup + self.fraction * self.window * startup / self.reference
+        return startup + to_unit + self.fraction * self.window * to_unit / self.reference
 
 
-def kill_moment(chaos: Chaos, stage: str) -> tuple[str, float]:
-    """In start-up (one kill in five); else after the run-folder line, up to the time the stage last took from it to a
-    unit of work; or after the attempt's first new unit, up to the time that took."""
+def kill_moment(chaos: Chaos, stage: str) -> KillAt:
+    """In start-up (one kill in five); else, with even odds, after the run-folder line within the time the stage last
+    took from it to a unit of work, or after the first new unit within the time it last took from one unit to the
+    next (each at this attempt's pace)."""
+    fraction = chaos.rng.random()
     if chaos.rng.random() < START_UP_SHARE:
-        return "start", chaos.rng.uniform(0, chaos.startup)
+        return KillAt("start", fraction, chaos.startup)
     if chaos.rng.random() < 0.5 or units_done(chaos.run, stage) == UNITS[stage]:
-        return "ready", chaos.rng.uniform(0, chaos.to_unit[stage])
-    return "unit", chaos.rng.uniform(0, chaos.unit_gap[stage])
+        return KillAt("ready", fraction, chaos.to_unit[stage], chaos.startup)
+    return KillAt("unit", fraction, chaos.unit_gap[stage], chaos.to_unit[stage])
 
 
 def check_resume(chaos: Chaos, stage: str, number: int, expect: str | None, finished: bool, output: str) -> None:
@@ -250,7 +264,8 @@ def run_stage_with_kills(chaos: Chaos, stage: str, quota: int) -> None:
         kills += 1
         chaos.kills.append(Kill(stage, number, run.seconds, describe(chaos.run, stage, run.startup is not None)))
         after = f" ({run.seconds - run.startup:4.1f} s after start-up)" if run.startup is not None else ""
-        print(f"chaos: kill {len(chaos.kills):2d}: {stage} attempt {number} at {run.seconds:5.1f} s{after}: "
+        print(f"chaos: kill {len(chaos.kills):2d}: {stage} attempt {number} at {run.seconds:5.1f} s{after}, drawn "
+              f"from its {kill.anchor}: "
               f"{chaos.kills[-1].point}", flush=True)
         chaos.shards_seen.update(shards_on_disk(chaos.run))
         chaos.records_seen.update(records_on_disk(chaos.run))
