@@ -6,7 +6,7 @@ A kill lands at a moment drawn from the seed and placed by the stage's own recen
 shared machine the same harvest took 8 s one time and 44 s the next). One kill in five falls anywhere in start-up
 (the time until the CLI prints `redumix STAGE: run folder`, as long as it last took). The others fall, with even odds,
 after that line, a uniform fraction of the time the stage last took from it to a unit of work (a shard, a checkpoint,
-an eval record; or to its end once every unit is done), or after the attempt's first new unit, a uniform fraction of
+an eval record; once every unit is done, to its end), or after the attempt's first new unit, a uniform fraction of
 the time the stage last took from one unit to the next; each window is scaled by the attempt's own pace so far (its
 start-up, or its time to that first unit, against the last ones seen). So kills land in start-up, in a stage's set-up
 (the base's copy, loading the model), in the middle of a shard, a checkpoint or a record, in an atomic write, in the
@@ -85,6 +85,7 @@ class Attempt:
     startup: float | None  # seconds until `redumix STAGE: run folder`; None if it never got there
     to_unit: float | None  # seconds from that line to its first new unit of work (or to its end); None: not reached
     unit_gap: float | None  # seconds from its first new unit to its second; None: not reached
+    final: float | None  # seconds from its last new unit to its end; None: it was killed, or wrote no unit
     output: str
 
 
@@ -99,6 +100,7 @@ class Chaos:
     startup: float = 8.0  # the last start-up seen
     to_unit: dict[str, float] = field(default_factory=dict)  # per stage: the last time from start-up to a unit
     unit_gap: dict[str, float] = field(default_factory=dict)  # per stage: the last time from one unit to the next
+    final: dict[str, float] = field(default_factory=dict)  # per stage: the last time from its last unit to its end
     kills: list[Kill] = field(default_factory=list)
     shards_seen: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (inode, mtime) at a kill
     records_seen: dict[tuple[str, str], dict] = field(default_factory=dict)  # (file, id) -> record at a kill
@@ -167,7 +169,7 @@ def attempt(run: RunDir, log: Path, stage: str, kill: KillAt | None = None) -> A
     command = [sys.executable, "-m", "redumix.pipeline.cli", stage, "--recipe", str(RECIPE), "--run-dir",
                str(run.root), *SETTINGS]
     ready, seen = f"redumix {stage}: run folder", units_done(run, stage)
-    startup = to_unit = second = None
+    startup = to_unit = second = last = None
     with open(log, "w") as out:
         began = time.monotonic()
         process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -176,12 +178,15 @@ def attempt(run: RunDir, log: Path, stage: str, kill: KillAt | None = None) -> A
             now = time.monotonic() - began
             if startup is None and ready in log.read_text(errors="replace"):
                 startup = now
-            elif startup is not None and second is None:  # the first new unit (or the end), then the second
+            elif startup is not None:  # the first new unit (or the end), the second, the last
                 done = units_done(run, stage)
+                if done > seen:
+                    last = now - startup
                 if to_unit is None and (code is not None or done > seen):
-                    to_unit, seen = now - startup, done
-                elif to_unit is not None and done > seen:
+                    to_unit = now - startup
+                elif second is None and done > seen:
                     second = now - startup
+                seen = max(seen, done)
             if code is not None:
                 break
             if kill is not None and (due := kill.due(startup, to_unit)) is not None and now >= due:
@@ -194,7 +199,8 @@ def attempt(run: RunDir, log: Path, stage: str, kill: KillAt | None = None) -> A
                 pytest.fail(f"{log.name}: ran past 10 minutes")
             time.sleep(0.05)
     unit_gap = None if second is None else second - to_unit
-    return Attempt(code, now, startup, to_unit, unit_gap, log.read_text(errors="replace"))
+    final = None if code is None or last is None else now - startup - last
+    return Attempt(code, now, startup, to_unit, unit_gap, final, log.read_text(errors="replace"))
 
 
 @dataclass
@@ -226,7 +232,9 @@ def kill_moment(chaos: Chaos, stage: str) -> KillAt:
     fraction = chaos.rng.random()
     if chaos.rng.random() < START_UP_SHARE:
         return KillAt("start", fraction, chaos.startup)
-    if chaos.rng.random() < 0.5 or units_done(chaos.run, stage) == UNITS[stage]:
+    if units_done(chaos.run, stage) == UNITS[stage]:  # set-up, then the final writes
+        return KillAt("ready", fraction, chaos.to_unit[stage] + chaos.final[stage], chaos.startup)
+    if chaos.rng.random() < 0.5:
         return KillAt("ready", fraction, chaos.to_unit[stage], chaos.startup)
     return KillAt("unit", fraction, chaos.unit_gap[stage], chaos.to_unit[stage])
 
@@ -257,6 +265,8 @@ def run_stage_with_kills(chaos: Chaos, stage: str, quota: int) -> None:
             chaos.to_unit[stage] = run.to_unit
         if run.unit_gap is not None:
             chaos.unit_gap[stage] = run.unit_gap
+        if run.final is not None:
+            chaos.final[stage] = run.final
         check_resume(chaos, stage, number, expect, run.code is not None, run.output)
         if run.code is not None:
             assert run.code == 0, f"seed {chaos.seed}: {stage} attempt {number} exited {run.code}:\n" + run.output
@@ -345,15 +355,17 @@ def test_chaos_kills_lose_nothing_and_redo_nothing(tmp_path):
     # The unbroken run, by the same commands.
     whole, logs = RunDir(tmp_path / "whole"), tmp_path / "logs"
     logs.mkdir()
-    to_unit, unit_gap = {}, {}
+    to_unit, unit_gap, final = {}, {}, {}
     for stage in STAGES:
         run = attempt(whole, logs / f"whole-{stage}.out", stage)
         assert run.code == 0, run.output
-        to_unit[stage], unit_gap[stage] = run.to_unit, run.unit_gap
-        print(f"chaos: unbroken {stage}: {run.seconds:.1f} s: start-up {run.startup:.1f} s, "
-              f"{run.to_unit:.1f} s more to its first unit of work, {run.unit_gap:.1f} s to the next", flush=True)
+        to_unit[stage], unit_gap[stage], final[stage] = run.to_unit, run.unit_gap, run.final
+        print(f"chaos: unbroken {stage}: {run.seconds:.1f} s: start-up {run.startup:.1f} s, {run.to_unit:.1f} s more "
+              f"to its first unit of work, {run.unit_gap:.1f} s to the next, {run.final:.1f} s of final writes",
+              flush=True)
 
-    chaos = Chaos(RunDir(tmp_path / "chaos"), logs, seed, random.Random(seed), to_unit=to_unit, unit_gap=unit_gap)
+    chaos = Chaos(RunDir(tmp_path / "chaos"), logs, seed, random.Random(seed), to_unit=to_unit, unit_gap=unit_gap,
+                  final=final)
     for index, stage in enumerate(STAGES):
         run_stage_with_kills(chaos, stage, quota=KILLS_PER_STAGE * (index + 1) - len(chaos.kills))
     run = chaos.run
