@@ -6,8 +6,8 @@ so two processes can never interleave shards, checkpoints or reports in one fold
 dies however it dies (SIGKILL included), so a stale lock needs no clean-up by hand: the next run takes it, finds the
 dead holder's note and says that it took the lock over. Holding the lock, it also removes the temporary files
 (`.NAME.*.tmp`, `.saved.tmp/`) that a process killed in the middle of an atomic write left: no one else can be
-writing them. Under torchrun, rank 0 takes the lock and every rank learns
-whether it did, so all ranks run or none does.
+writing them. Under torchrun, rank 0 takes the lock and every rank learns whether it did, so all ranks run or none
+does.
 """
 
 from __future__ import annotations

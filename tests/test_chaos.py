@@ -6,12 +6,13 @@ A kill lands at a moment drawn from the seed and placed by the stage's own recen
 shared machine the same harvest took 8 s one time and 44 s the next). One kill in five falls anywhere in start-up
 (the time until the CLI prints `redumix STAGE: run folder`, as long as it last took). The others fall, with even odds,
 after that line, a uniform fraction of the time the stage last took from it to a unit of work (a shard, a checkpoint,
-an eval record; or to its end once every unit is done), or after the attempt's first new unit, a uniform fraction of
-the time the stage last took from one unit to the next. So kills land in start-up, in a stage's set-up (the base's
-copy, loading the model), in the middle of a shard, a checkpoint or a record, in an atomic write, in the merge and in
-the final report, and a kill moves the work on by under a unit on average. Each stage is killed KILLS_PER_STAGE times
-(plus the kills an earlier stage did not land), or until its completion marker is written, and then runs to its end;
-a kill drawn after the attempt's end is no kill.
+an eval record; once every unit is done, to its end), or after the attempt's first new unit, a uniform fraction of
+the time the stage last took from one unit to the next; each window is scaled by the attempt's own pace so far (its
+start-up, or its time to that first unit, against the last ones seen). So kills land in start-up, in a stage's set-up
+(the base's copy, loading the model), in the middle of a shard, a checkpoint or a record, in an atomic write, in the
+merge and in the final report, and a kill moves the work on by under a unit on average. Each stage is killed
+KILLS_PER_STAGE times (plus the kills an earlier stage did not land), or until its completion marker is written, and
+then runs to its end; a kill drawn after the attempt's end is no kill.
 
 What is checked, besides the end state (shard rows, the manifest, train's metrics and weights, eval's report rows):
 - each rerun resumes from what was on disk at the kill: the harvest counts the shards that were there, train
@@ -84,6 +85,7 @@ class Attempt:
     startup: float | None  # seconds until `redumix STAGE: run folder`; None if it never got there
     to_unit: float | None  # seconds from that line to its first new unit of work (or to its end); None: not reached
     unit_gap: float | None  # seconds from its first new unit to its second; None: not reached
+    final: float | None  # seconds from its last new unit to its end; None: it was killed, or wrote no unit
     output: str
 
 
@@ -98,6 +100,7 @@ class Chaos:
     startup: float = 8.0  # the last start-up seen
     to_unit: dict[str, float] = field(default_factory=dict)  # per stage: the last time from start-up to a unit
     unit_gap: dict[str, float] = field(default_factory=dict)  # per stage: the last time from one unit to the next
+    final: dict[str, float] = field(default_factory=dict)  # per stage: the last time from its last unit to its end
     kills: list[Kill] = field(default_factory=list)
     shards_seen: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (inode, mtime) at a kill
     records_seen: dict[tuple[str, str], dict] = field(default_factory=dict)  # (file, id) -> record at a kill
@@ -161,13 +164,12 @@ def expected_resume(run: RunDir, stage: str) -> str | None:
 # --- one attempt ----------------------------------------------------------------------------------------------------
 
 
-def attempt(run: RunDir, log: Path, stage: str, kill: tuple[str, float] | None = None) -> Attempt:
-    """Run the stage's command and SIGKILL it, if it still runs, at `kill`: ("start", t) t seconds after its start,
-    ("ready", t) t seconds after its run-folder line, ("unit", t) t seconds after its first new unit of work."""
+def attempt(run: RunDir, log: Path, stage: str, kill: KillAt | None = None) -> Attempt:
+    """Run the stage's command, and SIGKILL it at `kill` if it still runs then."""
     command = [sys.executable, "-m", "redumix.pipeline.cli", stage, "--recipe", str(RECIPE), "--run-dir",
                str(run.root), *SETTINGS]
     ready, seen = f"redumix {stage}: run folder", units_done(run, stage)
-    startup = to_unit = second = None
+    startup = to_unit = second = last = None
     with open(log, "w") as out:
         began = time.monotonic()
         process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -176,15 +178,18 @@ def attempt(run: RunDir, log: Path, stage: str, kill: tuple[str, float] | None =
             now = time.monotonic() - began
             if startup is None and ready in log.read_text(errors="replace"):
                 startup = now
-            elif startup is not None and second is None:  # the first new unit (or the end), then the second
+            elif startup is not None:  # the first new unit (or the end), the second, the last
                 done = units_done(run, stage)
+                if done > seen:
+                    last = now - startup
                 if to_unit is None and (code is not None or done > seen):
-                    to_unit, seen = now - startup, done
-                elif to_unit is not None and done > seen:
+                    to_unit = now - startup
+                elif second is None and done > seen:
                     second = now - startup
+                seen = max(seen, done)
             if code is not None:
                 break
-            if kill is not None and (due := kill_time(kill, startup, to_unit)) is not None and now >= due:
+            if kill is not None and (due := kill.due(startup, to_unit)) is not None and now >= due:
                 process.send_signal(signal.SIGKILL)
                 process.wait()
                 code = None
@@ -194,27 +199,44 @@ def attempt(run: RunDir, log: Path, stage: str, kill: tuple[str, float] | None =
                 pytest.fail(f"{log.name}: ran past 10 minutes")
             time.sleep(0.05)
     unit_gap = None if second is None else second - to_unit
-    return Attempt(code, now, startup, to_unit, unit_gap, log.read_text(errors="replace"))
+    final = None if code is None or last is None else now - startup - last
+    return Attempt(code, now, startup, to_unit, unit_gap, final, log.read_text(errors="replace"))
 
 
-def kill_time(kill: tuple[str, float], startup: float | None, to_unit: float | None) -> float | None:
-    """Seconds after the start at which `kill` falls, once the attempt has got far enough to say."""
-    kind, value = kill
-    if kind == "start":
-        return value
-    if kind == "ready":
-        return None if startup is None else startup + value
-    return None if startup is None or to_unit is None else startup + to_unit + value
+@dataclass
+class KillAt:
+    """When to kill an attempt: `fraction` of a `window` (seconds the stage last took for that stretch) after an
+    anchor: the start, the run-folder line, or the first new unit of work. The last two scale the window by this
+    attempt's pace so far against `reference` (its start-up, or its time to that unit, against the last seen)."""
+
+    anchor: str  # "start", "ready" or "unit"
+    fraction: float
+    window: float
+    reference: float = 1.0
+
+    def due(self, startup: float | None, to_unit: float | None) -> float | None:
+        """Seconds after the start, once the attempt has got far enough to say."""
+        if self.anchor == "start":
+            return self.fraction * self.window
+        if startup is None or (self.anchor == "unit" and to_unit is None):
+            return None
+        if self.anchor == "ready":
+            return startup + self.fraction * self.window * startup / self.reference
+        return startup + to_unit + self.fraction * self.window * to_unit / self.reference
 
 
-def kill_moment(chaos: Chaos, stage: str) -> tuple[str, float]:
-    """In start-up (one kill in five); else after the run-folder line, up to the time the stage last took from it to a
-    unit of work; or after the attempt's first new unit, up to the time that took."""
+def kill_moment(chaos: Chaos, stage: str) -> KillAt:
+    """In start-up (one kill in five); else, with even odds, after the run-folder line within the time the stage last
+    took from it to a unit of work, or after the first new unit within the time it last took from one unit to the
+    next (each at this attempt's pace)."""
+    fraction = chaos.rng.random()
     if chaos.rng.random() < START_UP_SHARE:
-        return "start", chaos.rng.uniform(0, chaos.startup)
-    if chaos.rng.random() < 0.5 or units_done(chaos.run, stage) == UNITS[stage]:
-        return "ready", chaos.rng.uniform(0, chaos.to_unit[stage])
-    return "unit", chaos.rng.uniform(0, chaos.unit_gap[stage])
+        return KillAt("start", fraction, chaos.startup)
+    if units_done(chaos.run, stage) == UNITS[stage]:  # set-up, then the final writes
+        return KillAt("ready", fraction, chaos.to_unit[stage] + chaos.final[stage], chaos.startup)
+    if chaos.rng.random() < 0.5:
+        return KillAt("ready", fraction, chaos.to_unit[stage], chaos.startup)
+    return KillAt("unit", fraction, chaos.unit_gap[stage], chaos.to_unit[stage])
 
 
 def check_resume(chaos: Chaos, stage: str, number: int, expect: str | None, finished: bool, output: str) -> None:
@@ -243,6 +265,8 @@ def run_stage_with_kills(chaos: Chaos, stage: str, quota: int) -> None:
             chaos.to_unit[stage] = run.to_unit
         if run.unit_gap is not None:
             chaos.unit_gap[stage] = run.unit_gap
+        if run.final is not None:
+            chaos.final[stage] = run.final
         check_resume(chaos, stage, number, expect, run.code is not None, run.output)
         if run.code is not None:
             assert run.code == 0, f"seed {chaos.seed}: {stage} attempt {number} exited {run.code}:\n" + run.output
@@ -250,7 +274,8 @@ def run_stage_with_kills(chaos: Chaos, stage: str, quota: int) -> None:
         kills += 1
         chaos.kills.append(Kill(stage, number, run.seconds, describe(chaos.run, stage, run.startup is not None)))
         after = f" ({run.seconds - run.startup:4.1f} s after start-up)" if run.startup is not None else ""
-        print(f"chaos: kill {len(chaos.kills):2d}: {stage} attempt {number} at {run.seconds:5.1f} s{after}: "
+        print(f"chaos: kill {len(chaos.kills):2d}: {stage} attempt {number} at {run.seconds:5.1f} s{after}, drawn "
+              f"from its {kill.anchor}: "
               f"{chaos.kills[-1].point}", flush=True)
         chaos.shards_seen.update(shards_on_disk(chaos.run))
         chaos.records_seen.update(records_on_disk(chaos.run))
@@ -330,15 +355,17 @@ def test_chaos_kills_lose_nothing_and_redo_nothing(tmp_path):
     # The unbroken run, by the same commands.
     whole, logs = RunDir(tmp_path / "whole"), tmp_path / "logs"
     logs.mkdir()
-    to_unit, unit_gap = {}, {}
+    to_unit, unit_gap, final = {}, {}, {}
     for stage in STAGES:
         run = attempt(whole, logs / f"whole-{stage}.out", stage)
         assert run.code == 0, run.output
-        to_unit[stage], unit_gap[stage] = run.to_unit, run.unit_gap
-        print(f"chaos: unbroken {stage}: {run.seconds:.1f} s: start-up {run.startup:.1f} s, "
-              f"{run.to_unit:.1f} s more to its first unit of work, {run.unit_gap:.1f} s to the next", flush=True)
+        to_unit[stage], unit_gap[stage], final[stage] = run.to_unit, run.unit_gap, run.final
+        print(f"chaos: unbroken {stage}: {run.seconds:.1f} s: start-up {run.startup:.1f} s, {run.to_unit:.1f} s more "
+              f"to its first unit of work, {run.unit_gap:.1f} s to the next, {run.final:.1f} s of final writes",
+              flush=True)
 
-    chaos = Chaos(RunDir(tmp_path / "chaos"), logs, seed, random.Random(seed), to_unit=to_unit, unit_gap=unit_gap)
+    chaos = Chaos(RunDir(tmp_path / "chaos"), logs, seed, random.Random(seed), to_unit=to_unit, unit_gap=unit_gap,
+                  final=final)
     for index, stage in enumerate(STAGES):
         run_stage_with_kills(chaos, stage, quota=KILLS_PER_STAGE * (index + 1) - len(chaos.kills))
     run = chaos.run
