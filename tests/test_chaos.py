@@ -139,7 +139,7 @@ def units_done(run: RunDir, stage: str) -> int:
 def describe(run: RunDir, stage: str, started: bool) -> str:
     where = "" if started else "in start-up; "
     if stage == "harvest":
-        base = "base copied" if (run.base / "config.json").is_file() else "no base yet"
+        base = "base copied" if (run.embedded / "config.json").is_file() else "no base yet"
         complete = ", manifest written" if (run.harvest / "manifest.json").is_file() else ""
         return f"{where}{base}, {units_done(run, stage)}/{UNITS[stage]} shards{complete}"
     if stage == "train":
