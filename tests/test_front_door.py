@@ -10,6 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,6 +28,7 @@ def readme_steps() -> list[str]:
     return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip()]
 
 
+@pytest.mark.slow  # three stages as subprocesses through make: about a minute
 def test_the_readme_own_model_steps_make_the_user_s_run_folder(tmp_path, tiny_model_dir):
     config_step, make_step = readme_steps()
     assert "--name my-run" in config_step and config_step.endswith("> my-run.yaml")
