@@ -275,8 +275,7 @@ def run_stage_with_kills(chaos: Chaos, stage: str, quota: int) -> None:
         chaos.kills.append(Kill(stage, number, run.seconds, describe(chaos.run, stage, run.startup is not None)))
         after = f" ({run.seconds - run.startup:4.1f} s after start-up)" if run.startup is not None else ""
         print(f"chaos: kill {len(chaos.kills):2d}: {stage} attempt {number} at {run.seconds:5.1f} s{after}, drawn "
-              f"from its {kill.anchor}: "
-              f"{chaos.kills[-1].point}", flush=True)
+              f"from its {kill.anchor}: {chaos.kills[-1].point}", flush=True)
         chaos.shards_seen.update(shards_on_disk(chaos.run))
         chaos.records_seen.update(records_on_disk(chaos.run))
         expect = expected_resume(chaos.run, stage)
