@@ -38,7 +38,7 @@ def test_harvest_train_eval_end_to_end(tmp_path):
 
     config = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert config["harvest"]["n"] == 12 and config["name"] == "tiny"
-    assert json.loads((tmp_path / "base" / "metrics.json").read_text())["n"] == 8
+    assert json.loads((tmp_path / "embedded" / "metrics.json").read_text())["n"] == 8
     manifest = json.loads((tmp_path / "harvest" / "manifest.json").read_text())
     assert manifest["rows"] == 12 and len(manifest["shards"]) == 2
     assert load_shards(tmp_path / "harvest").num_rows == 12

@@ -55,7 +55,7 @@ def _torchrun(run: Path, zero: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("zero", ["zero2", "zero3"])
 def test_two_process_deepspeed_takes_three_steps(tmp_path: Path, zero: str) -> None:
     run = tmp_path / "run"
-    write_base(run / "base")
+    write_base(run / "embedded")
     write_harvest(run / "harvest", n_rows=16, length=8)
     done = _torchrun(run, zero)
     assert done.returncode == 0, done.stderr[-4000:]
