@@ -115,18 +115,19 @@ def ladder_batch(model, tokenizer, task: Task, batch: Sequence[Example], config:
         resample = [(decode(g.content_ids(stop_ids)), len(g.token_ids)) for g in gens]
     critique = redos(None, [config.redumix.lam]) if ladder.self_critique else None
 
-    def graded(text: str, tokens: int, example: Example) -> dict:
+    def graded(text_and_tokens: tuple[str, int], example: Example) -> dict:
+        text, tokens = text_and_tokens
         return {"text": text, "answer": task.answer(text), "correct": task.is_correct(text, example), "tokens": tokens}
 
     records = []
     for i, example in enumerate(batch):
-        arms = {RESAMPLE: graded(*resample[i], example)}
-        arms |= {f"verifier@{lam:g}": graded(*verifier[lam][i], example) for lam in ladder.lams}
-        record = {"id": example.id, "attempt": graded(stages.y1_text[i], len(stages.attempts[i].token_ids), example),
+        arms = {RESAMPLE: graded(resample[i], example)}
+        arms |= {f"verifier@{lam:g}": graded(verifier[lam][i], example) for lam in ladder.lams}
+        record = {"id": example.id, "attempt": graded((stages.y1_text[i], len(stages.attempts[i].token_ids)), example),
                   "feedback": stages.r_text[i], "reflection": stages.c_text[i]}
         if critique is not None:
             self_stages, self_texts = critique
-            arms[f"self@{config.redumix.lam:g}"] = graded(*self_texts[config.redumix.lam][i], example)
+            arms[f"self@{config.redumix.lam:g}"] = graded(self_texts[config.redumix.lam][i], example)
             record |= {"critique": self_stages.r_text[i], "self_reflection": self_stages.c_text[i]}
         records.append(record | {"arms": arms})
     return records
