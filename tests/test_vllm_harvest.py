@@ -43,7 +43,7 @@ def model_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llama64-chat")
     LlamaForCausalLM(config).eval().save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(ROOT / "models" / "tiny-embedded" / name, folder / name)
+        shutil.copy(ROOT / "models" / "tiny-base" / name, folder / name)
     return folder
 
 
