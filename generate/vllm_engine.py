@@ -146,6 +146,12 @@ class VllmEngine:
         check_engine_model(path, key, on_cpu)
         # The pair mixer's ledger is shared with this process, so the engine core must run in it.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # The pair mixer fills the V1 model runner's logits-processor interface. On a GPU vLLM defaults to Model
+        # Runner V2, whose interface is another and refuses the class; the CPU has the V1 runner only.
+        if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").lower() not in ("0", "false"):
+            raise ValueError(f"{key}=vllm needs vLLM's V1 model runner (the pair mixer is written for its logits "
+                             "processors): unset VLLM_USE_V2_MODEL_RUNNER, or set it to 0")
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         if on_cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
         from vllm import LLM

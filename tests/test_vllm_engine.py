@@ -159,3 +159,11 @@ def test_a_forced_split_is_detected_and_retried_to_the_unforced_rows(llama_case)
         assert a.generation.token_ids == b.generation.token_ids
         assert a.topk_ids == b.topk_ids
         assert torch.allclose(torch.tensor(a.topk_logprobs), torch.tensor(b.topk_logprobs), atol=1e-4)
+
+
+def test_the_gpu_check_row_passes_on_this_machine():
+    """`make gpu-check`'s vLLM row, at smoke sizes: the code a GPU session runs, run here first."""
+    from bench.gpu_check import SMOKE, check_vllm_engine
+
+    [row] = check_vllm_engine("cpu", SMOKE)
+    assert row.ok is True, row.result
