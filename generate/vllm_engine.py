@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from redumix.common.ranks import rank, world_size
 from redumix.generate.loop import Generation, generation_from
 from redumix.generate.policy import SamplingPolicy
 
@@ -112,8 +113,7 @@ def check_engine_model(path: str | Path, key: str, on_cpu: bool) -> None:
 def check_engine_ranks(settings: VllmSettings, key: str) -> tuple[int, int]:
     """(this rank's engine group, the number of groups): the ranks of a group share one tensor-parallel engine and
     decode the same work. Refuses a world that the groups do not divide, and tensor parallelism in one process."""
-    tp, world, rank = settings.tensor_parallel_size, int(os.environ.get("WORLD_SIZE", "1")), int(
-        os.environ.get("RANK", "0"))
+    tp, world = settings.tensor_parallel_size, world_size()
     if tp > 1 and world == 1:
         raise ValueError(
             f"{key}=vllm with vllm.tensor_parallel_size={tp} needs {tp} ranks: run it with NPROC={tp} (torchrun), "
@@ -123,7 +123,7 @@ def check_engine_ranks(settings: VllmSettings, key: str) -> tuple[int, int]:
     if world % tp:
         raise ValueError(f"{key}=vllm: NPROC={world} is not a multiple of vllm.tensor_parallel_size={tp}; each "
                          "engine spans that many ranks")
-    return rank // tp, world // tp
+    return rank() // tp, world // tp
 
 
 @dataclass
@@ -166,7 +166,7 @@ class VllmEngine:
         # reads its length (the index of the next draw).
         extra: dict = {"block_size": 32} if on_cpu else {}
         check_engine_ranks(settings, key)
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if world_size() > 1:
             # Under torchrun each rank builds its own engine, as TRL's colocate mode does: the external launcher
             # joins the process group the rank already holds, takes the device from LOCAL_RANK, and keeps the engine
             # core (so the pair mixer and its ledger) in this process. Building it is a collective over the ranks.

@@ -167,3 +167,10 @@ def test_the_gpu_check_row_passes_on_this_machine():
 
     [row] = check_vllm_engine("cpu", SMOKE)
     assert row.ok is True, row.result
+
+
+def test_model_runner_v2_is_refused_naming_the_variable(llama_case, monkeypatch):
+    """The pair mixer fills the V1 runner's processor interface; a user's VLLM_USE_V2_MODEL_RUNNER=1 is refused."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="unset VLLM_USE_V2_MODEL_RUNNER, or set it to 0"):
+        VllmEngine(llama_case.folder, VllmSettings(max_num_seqs=16, kv_cache_gib=1), "float32", seed=0)

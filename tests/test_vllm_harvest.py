@@ -187,3 +187,23 @@ def test_two_ranks_eval_on_vllm_gives_one_process_records(tmp_path, model_dir):
                      for line in (tmp_path / run / "eval" / "generations" / name).read_text().splitlines()]
                     for run in ("one", "two"))
         assert len(two) == 5 and two == one, name
+
+
+def test_ranks_that_tensor_parallel_engines_do_not_divide_are_refused(monkeypatch):
+    from redumix.generate.vllm_engine import VllmSettings, check_engine_ranks
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    assert check_engine_ranks(VllmSettings(tensor_parallel_size=2), "harvest.engine") == (1, 2)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"NPROC=3 is not a multiple of vllm.tensor_parallel_size=2"):
+        check_engine_ranks(VllmSettings(tensor_parallel_size=2), "harvest.engine")
+
+
+def test_eval_refuses_a_tensor_parallel_engine(tmp_path, model_dir):
+    from redumix.pipeline.eval import run_eval
+
+    settings = [f"model.path={model_dir}", "eval.n=2", "eval.checkpoints=[base]", "eval.decoders=[greedy]",
+                "eval.engine=vllm", "vllm.tensor_parallel_size=2"]
+    with pytest.raises(ValueError, match=r"eval.engine=vllm takes vllm.tensor_parallel_size=1"):
+        run_eval(load_config(ROOT / "recipes" / "tiny.yaml", settings), RunDir(tmp_path))
