@@ -66,6 +66,10 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
             print0(f"harvest: complete ({manifest_path}), skipping. Delete {out} to harvest again.")
             return
         print0(f"harvest: {', '.join(bad)} no longer match manifest.json; redoing those shards only")
+        # Every rank has seen the manifest before rank 0 removes it: a rank that started late would otherwise find
+        # none, skip the barrier below, and be one barrier off from then on (a hang once vLLM's engine build, a
+        # collective, meets another rank's barrier).
+        barrier()
         if rank() == 0:
             for name in bad:
                 (out / name).unlink(missing_ok=True)
