@@ -66,10 +66,10 @@ def distill_messages(prompt: str, drafts: list[str]) -> list[Message]:
     return [{"role": "user", "content": f"{prompt}\nSolutions:\n{format_workspace(drafts)}\n{DISTILL}"}]
 
 
-def redo_messages(prompt: str, attempt: str, feedback: str, reflection: str) -> list[Message]:
-    """x2 = [x ‖ y1 ‖ r ‖ c ‖ REDO]"""
+def redo_messages(prompt: str, attempt: str, feedback: str, reflection: str, instruction: str = REDO) -> list[Message]:
+    """x2 = [x ‖ y1 ‖ r ‖ c ‖ REDO] (`instruction` stands in for REDO in the ladder's protocol levers)"""
     return [
         *reflect_messages(prompt, attempt, feedback),
         {"role": "assistant", "content": reflection},
-        {"role": "user", "content": REDO},
+        {"role": "user", "content": instruction},
     ]

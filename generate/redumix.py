@@ -23,7 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from redumix.data.chat import template_pieces
 from redumix.data.grading import verdict_feedback
-from redumix.data.prompts import REDO, attempt_messages, critique_messages, redo_messages, reflect_messages
+from redumix.data.prompts import REDO, attempt_messages, redo_messages, reflect_messages
 from redumix.data.task import Example, Task
 from redumix.generate.accounting import Usage
 from redumix.generate.decoder import Decoded, Model, Tokenizer
@@ -33,6 +33,7 @@ from redumix.generate.model_io import stop_token_ids
 from redumix.generate.plain import sample_loop
 from redumix.generate.policy import SamplingPolicy, example_seed
 from redumix.generate.state import DecodeState, clone, extend, merge, prefill, select
+from redumix.generate.turns import critiques, next_turn
 
 COMPRESSION_NOTE = "(earlier steps omitted) "
 
@@ -117,8 +118,32 @@ def redumix_generate(
     feedback: FeedbackFn | None,
 ) -> list[RedumixResult]:
     """Run the four ReDuMix stages on a batch of prompts. Each example's noise derives from `seed` and its id."""
+    stages, x_context, x2_context, usage = redo_contexts(model, tokenizer, prompts, example_ids, config, policy, seed,
+                                                         stop_ids, feedback)
+    seeds = stage_seeds(seed, example_ids, "redo")
+    redo = mixture_loop(model, x_context, x2_context, config.lam, config.topk, policy, seeds, stop_ids)
+    mode = "self" if feedback is None else config.feedback
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    return [redo_result(stages, i, products, usage[i], config.lam, mode, decode, stop_ids)
+            for i, products in enumerate(redo)]
+
+
+def redo_contexts(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    example_ids: Sequence[str],
+    config: RedumixConfig,
+    policy: SamplingPolicy,
+    seed: int,
+    stop_ids: Sequence[int],
+    feedback: FeedbackFn | None,
+    redo_instruction: str = REDO,
+) -> tuple[RedoStages, DecodeState, DecodeState, list[Usage]]:
+    """Stages 1-3 (attempt, feedback, reflection) and the redo's two contexts: x's cache and x2's, ready for
+    `mixture_loop`. The redo may be decoded from them more than once (at several λ) from `clone`s."""
     pad_id = tokenizer.pad_token_id
-    seeds = {stage: stage_seeds(seed, example_ids, stage) for stage in ("attempt", "critique", "reflect", "redo")}
+    seeds = {stage: stage_seeds(seed, example_ids, stage) for stage in ("attempt", "critique", "reflect")}
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     usage = [Usage() for _ in prompts]
 
@@ -136,8 +161,8 @@ def redumix_generate(
 
     # --- stage 2: feedback r ---
     if feedback is None:
-        r_text = _critiques(model, tokenizer, state, attempts, y1, prompts, y1_text, config, policy,
-                            seeds["critique"], stop_ids, usage)
+        r_text = critiques(model, tokenizer, state, attempts, y1, prompts, y1_text, config.critique_max_tokens,
+                           policy, seeds["critique"], stop_ids, usage)
     else:
         r_text = [feedback(i, t) for i, t in enumerate(y1_text)]
 
@@ -148,15 +173,16 @@ def redumix_generate(
         model, tokenizer, state, attempts, y1, x_ids, reflect_convs, reflect_pieces, config, policy, usage
     )
     y1_in_context = [ids[n:] for ids, n in zip(y1, cut, strict=True)]
-    reflections, state = _continue(
+    reflections, state = next_turn(
         model, tokenizer, state, attempts, y1_in_context, stop_ids, policy, seeds["reflect"], reflect_pieces,
         config.reflection_max_tokens, usage, keep_state=True, cut=cut,
     )
     c = [g.content_ids(stop_ids) for g in reflections]
     c_text = [decode(ids) for ids in c]
 
-    # --- stage 4: x2 = [x ‖ y1 ‖ r ‖ c ‖ REDO]; decode y under the mixture of x and x2 ---
-    redo_convs = [redo_messages(p, t, r, ct) for p, t, r, ct in zip(prompts, y1_text, r_text, c_text, strict=True)]
+    # --- the redo's contexts: x2 = [x ‖ y1 ‖ r ‖ c ‖ REDO], and x's cache kept from stage 1 ---
+    redo_convs = [redo_messages(p, t, r, ct, redo_instruction)
+                  for p, t, r, ct in zip(prompts, y1_text, r_text, c_text, strict=True)]
     redo_pieces = [template_pieces(tokenizer, conv)[2] for conv in redo_convs]  # from c's close to the redo's open
     segments = [ids[g.cached :] + piece for ids, g, piece in zip(c, reflections, redo_pieces, strict=True)]
     state = extend(model, state, segments, pad_id)
@@ -171,10 +197,7 @@ def redumix_generate(
     ]
     stages = RedoStages(x_ids, attempts, y1, y1_text, r_text, reflections, c, c_text, cut, x2_ids,
                         state.lengths.tolist())
-    redo = mixture_loop(model, x_context, state, config.lam, config.topk, policy, seeds["redo"], stop_ids)
-    mode = "self" if feedback is None else config.feedback
-    return [redo_result(stages, i, products, usage[i], config.lam, mode, decode, stop_ids)
-            for i, products in enumerate(redo)]
+    return stages, x_context, state, usage
 
 
 @dataclass
@@ -241,27 +264,6 @@ def redo_result(
     )
 
 
-def _critiques(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    state: DecodeState,
-    attempts: list[Generation],
-    y1: list[list[int]],
-    prompts: Sequence[str],
-    y1_text: list[str],
-    config: RedumixConfig,
-    policy: SamplingPolicy,
-    seeds: torch.Tensor,
-    stop_ids: Sequence[int],
-    usage: list[Usage],
-) -> list[str]:
-    """Self-feedback: the model critiques its own attempt, on a copy of the cache (the reflection goes on from y1)."""
-    pieces = [template_pieces(tokenizer, critique_messages(p, t))[-1] for p, t in zip(prompts, y1_text, strict=True)]
-    critiques, _ = _continue(model, tokenizer, clone(state), attempts, y1, stop_ids, policy, seeds, pieces,
-                             config.critique_max_tokens, usage, keep_state=False)
-    return [tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True) for g in critiques]
-
-
 def x2_prefix(x: list[int], y1: list[int], cut: int, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """x ‖ y1 as the cache holds it: a row whose y1 was cut to fit the window holds x ‖ note ‖ the rest of y1."""
     if not cut:
@@ -271,39 +273,6 @@ def x2_prefix(x: list[int], y1: list[int], cut: int, tokenizer: PreTrainedTokeni
 
 def stage_seeds(global_seed: int, example_ids: Sequence[str], stage: str) -> torch.Tensor:
     return torch.tensor([example_seed(global_seed, f"{eid}/{stage}") for eid in example_ids], dtype=torch.long)
-
-
-def _continue(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    state: DecodeState,
-    previous: list[Generation],
-    previous_ids: list[list[int]],
-    stop_ids: Sequence[int],
-    policy: SamplingPolicy,
-    seeds: torch.Tensor,
-    pieces: list[list[int]],
-    max_new_tokens: int,
-    usage: list[Usage],
-    keep_state: bool,
-    cut: Sequence[int] | None = None,
-) -> tuple[list[Generation], DecodeState | None]:
-    """Close the previous assistant turn, add the next user turn, and generate the next assistant turn.
-
-    The segment fed is what of the previous turn is not yet cached, then the template's text up to the new
-    assistant turn: `pieces`, per row, the last template piece of the conversation that turn answers.
-    """
-    segments = []
-    for i, (gen, ids, piece) in enumerate(zip(previous, previous_ids, pieces, strict=True)):
-        already = len(ids) if cut is not None and cut[i] else gen.cached  # a cut row's y1 was re-encoded whole
-        segments.append(ids[already:] + piece)
-    state = extend(model, state, segments, tokenizer.pad_token_id)
-    result = sample_loop(model, state, policy, seeds, stop_ids, max_new_tokens, keep_state=keep_state)
-    gens, state = result.generations, result.state
-    for u, seg, g in zip(usage, segments, gens, strict=True):
-        u.prefill_tokens += len(seg)
-        u.fpe += len(seg) + g.usage.fpe
-    return gens, state
 
 
 def window_cuts(

@@ -49,6 +49,7 @@ STAGES: dict[str, Stage] = {
     "rounds": Stage("redumix.pipeline.rounds", "run_rounds", "harvest, train, eval, round after round", ranked=True),
     "ablation": Stage("redumix.pipeline.ablation", "run_ablation", "which ingredient of the round policy gains"),
     "evidence": Stage("redumix.pipeline.evidence", "run_evidence", "controls and ablations of the distillation claim"),
+    "ladder": Stage("redumix.pipeline.ladder", "run_ladder", "does a redo beat a second sample (train problems)"),
 }
 
 
@@ -62,6 +63,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "eval": ("model", "embedded", "task", "sampling", *DECODER_SECTIONS, "eval", "vllm"),
     "export": (),
     "calibrate": ("model", "embedded", "task", "sampling", "reflective", "eval"),
+    "ladder": ("model", "embedded", "task", "sampling", "redumix", "ladder"),
 }
 DEFAULT_RECIPE = "tiny"
 

@@ -147,6 +147,42 @@ class RoundsConfig:
 
 
 @dataclass
+class LadderConfig:
+    """`redumix ladder` (pipeline/ladder.py): does a redo after feedback beat a second sample, on train problems."""
+
+    n: int = field(default=200, metadata={"help": "Train problems measured (a larger n later adds to the records)."})
+    skip: int = field(default=0, metadata={"help": "Measure the train split's problems [skip, skip + n)."})
+    batch_size: int = field(default=16, metadata={"help": "Problems decoded together."})
+    lams: list[float] = field(
+        default_factory=lambda: [0.5, 0.0],
+        metadata={"help": "λ of the redos after the verifier's feedback (λ=1 would be the resample arm)."},
+    )
+    self_critique: bool = field(default=True, metadata={"help": "Also redo after the model's own critique, at "
+                                                                  "redumix.lam."})
+    redo_temperature: float = field(
+        default=0.0,
+        metadata={"help": "Temperature of the redos and of the resample they are set against (the attempt, critique "
+                  "and reflection follow `sampling`)."},
+    )
+    instruction: Literal["redo", "fresh"] = field(
+        default="redo",
+        metadata={"help": "The last user turn of x2: 'redo', the ReDuMix paper's, or 'fresh', which asks for a new "
+                  "solution rather than a rewrite."},
+    )
+
+    def __post_init__(self) -> None:
+        problems = [f"{name} must be >= 1" for name in ("n", "batch_size") if getattr(self, name) < 1]
+        if self.skip < 0:
+            problems.append(f"skip must be >= 0, got {self.skip}")
+        if not self.lams or not all(0 <= lam <= 1 for lam in self.lams):
+            problems.append(f"lams must list λ values in [0, 1], got {self.lams}")
+        if self.redo_temperature < 0:
+            problems.append(f"redo_temperature must be >= 0, got {self.redo_temperature}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass
 class EvidenceConfig:
     seeds: list[int] = field(
         default_factory=lambda: [0, 1, 2],
@@ -216,6 +252,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     rounds: RoundsConfig = field(default_factory=RoundsConfig)
     evidence: EvidenceConfig = field(default_factory=EvidenceConfig)
+    ladder: LadderConfig = field(default_factory=LadderConfig)
 
     def __post_init__(self) -> None:
         # The run folder defaults to runs/<name>: a name with a path in it would write outside runs/.

@@ -1,0 +1,82 @@
+"""`redumix ladder` on the embedded model: its arms decode what they say, its counts add up, and it resumes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from redumix.common.files import atomic_write_jsonl
+from redumix.pipeline.config import load_config
+from redumix.pipeline.ladder import RESAMPLE, run_ladder, summarize_ladder
+from redumix.pipeline.run import RunDir
+
+SMALL = ["ladder.n=6", "ladder.batch_size=6", "sampling.max_new_tokens=32", "redumix.reflection_max_tokens=16"]
+
+
+def _records(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "ladder" / "records.jsonl").read_text().splitlines()]
+
+
+def test_greedy_ladder_arms_and_counts(tmp_path):
+    config = load_config("tiny", [*SMALL, "ladder.lams=[1.0,0.0]"])
+    run_ladder(config, RunDir(tmp_path))
+    records = _records(tmp_path)
+    assert len(records) == 6
+    for r in records:
+        # A greedy resample is the attempt, and a redo at λ=1 decodes x alone: the attempt again.
+        assert r["arms"][RESAMPLE]["text"] == r["attempt"]["text"]
+        assert r["arms"]["verifier@1"]["text"] == r["attempt"]["text"]
+        assert set(r["arms"]) == {RESAMPLE, "verifier@1", "verifier@0", "self@0.5"}
+        assert r["feedback"] and "critique" in r
+    summary = json.loads((tmp_path / "ladder" / "summary.json").read_text())
+    right = sum(r["attempt"]["correct"] for r in records)
+    assert summary["attempt_correct"] == right and summary["wrong_attempts"] == 6 - right
+    for name, arm in summary["arms"].items():
+        correct = sum(r["arms"][name]["correct"] for r in records)
+        assert arm["accuracy"] == pytest.approx(correct / 6)
+        assert correct == right + arm["fixed"] - arm["broken"]
+    assert summary["arms"]["verifier@1"]["repeats"] == 1.0 and summary["arms"]["verifier@1"]["fixed"] == 0
+    assert "| verifier@0 |" in (tmp_path / "ladder" / "ladder.md").read_text()
+
+
+def test_ladder_resumes_and_refuses_other_settings(tmp_path):
+    config = load_config("tiny", SMALL)
+    run_ladder(config, RunDir(tmp_path))
+    whole = _records(tmp_path)
+    atomic_write_jsonl(tmp_path / "ladder" / "records.jsonl", whole[:2])  # a run stopped after its first problems
+    run_ladder(config, RunDir(tmp_path))
+    again = {r["id"]: r for r in _records(tmp_path)}
+    assert [again[r["id"]]["arms"] for r in whole] == [r["arms"] for r in whole]
+    with pytest.raises(ValueError, match=r"ladder\.redo_temperature"):
+        run_ladder(load_config("tiny", [*SMALL, "ladder.redo_temperature=0.7"]), RunDir(tmp_path))
+
+
+def test_sampled_resample_is_a_second_draw(tmp_path):
+    config = load_config("tiny", [*SMALL, "ladder.redo_temperature=1.0", "ladder.self_critique=false"])
+    run_ladder(config, RunDir(tmp_path))
+    records = _records(tmp_path)
+    assert set(records[0]["arms"]) == {RESAMPLE, "verifier@0.5", "verifier@0"}
+    # At temperature 1 a 32-token answer of this model drawn twice is not the greedy attempt every time.
+    assert any(r["arms"][RESAMPLE]["text"] != r["attempt"]["text"] for r in records)
+
+
+def _row(i: int, attempt: bool, resample: bool, redo: bool, answers: tuple = ("1", "1", "2")) -> dict:
+    graded = lambda ok, a: {"text": a, "answer": a, "correct": ok, "tokens": 3}  # noqa: E731
+    return {"id": str(i), "attempt": graded(attempt, answers[0]),
+            "arms": {RESAMPLE: graded(resample, answers[1]), "redo": graded(redo, answers[2])}}
+
+
+def test_summary_pairs_the_redo_with_the_resample_on_wrong_attempts():
+    rows = [_row(0, False, False, True), _row(1, False, True, True), _row(2, False, True, False),
+            _row(3, False, False, False, ("5", "5", "5")), _row(4, True, True, False), _row(5, True, True, True)]
+    summary = summarize_ladder(rows, [RESAMPLE, "redo"])
+    redo = summary["arms"]["redo"]
+    assert summary["wrong_attempts"] == 4
+    assert (redo["fixed"], redo["broken"]) == (2, 1)
+    assert redo["vs_resample_table"] == {"both": 1, "fixed": 1, "broken": 1, "neither": 1}
+    assert redo["vs_resample_on_wrong"] == 0.0
+    low, high = redo["vs_resample_interval"]
+    assert low < 0 < high
+    assert redo["repeats_on_wrong"] == 0.25 and redo["examples"]["repeat_on_wrong"] == ["3"]
+    assert redo["keep_right_accuracy"] == pytest.approx(4 / 6)
