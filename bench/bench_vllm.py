@@ -1,17 +1,19 @@
 """vLLM against the Hugging Face harvest (`make bench`, and `python -m bench.bench_vllm` alone). Both run ReDuMix's
 four stages on the same examples, model and dtype (float32), timed side by side, interleaved, median kept:
 
-  harvest_vllm_vs_hf_smollm2_b{B}           harvest tokens/s (every generated token of every stage), vLLM's over
-                                            `redumix_generate`'s; SmolLM2-135M-Instruct's real weights (`make
-                                            smollm2`), the recipe's arith task, verifier feedback, greedy, 32
-                                            tokens a stage. A CPU figure, not a GPU one; reported whatever it is.
+  harvest_vllm_vs_hf_{model}_b{B}           harvest tokens/s (every generated token of every stage), vLLM's over
+                                            `redumix_generate`'s, for model smollm2 (SmolLM2-135M-Instruct, `make
+                                            smollm2`) and qwen_coder_0_5b (Qwen2.5-Coder-0.5B-Instruct, `make
+                                            qwen-coder-0.5b`), real weights; the SmolLM2 recipe's arith task,
+                                            verifier feedback, greedy, 32 tokens a stage. A CPU figure, not a GPU
+                                            one; reported whatever it is.
   ..._hf_tokens_per_s, ..._vllm_tokens_per_s  the two rates behind the ratio
   ..._redo_ids_differ                       examples whose redo ids differ between the engines (float rounding
                                             can flip a near tie of a real model, and everything after it)
   ..._retried_pairs                         split pairs the engine decoded again over the whole run
 
-Engine construction and the first (warm-up) call of each side are excluded. Without vLLM or the SmolLM2 folder
-the keys say why they were skipped.
+Engine construction and the first (warm-up) call of each side are excluded. Without vLLM or a model's folder its
+key says why it was skipped.
 """
 
 from __future__ import annotations
@@ -27,27 +29,38 @@ from redumix.generate.vllm_engine import VllmSettings, vllm_version
 from redumix.pipeline.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"
+# key part -> folder: the two real models the issue names, smallest first
+MODELS = {"smollm2": ROOT / "models" / "smollm2-135m-instruct",
+          "qwen_coder_0_5b": ROOT / "models" / "qwen2.5-coder-0.5b-instruct"}
 SETTINGS = ["sampling.max_new_tokens=32", "redumix.reflection_max_tokens=32", "sampling.temperature=0"]
 
 
 def run(batch: int = 16, repeats: int = 2) -> dict[str, object]:
-    key = f"harvest_vllm_vs_hf_smollm2_b{batch}"
-    if vllm_version() is None:
-        return {key: "skipped: vLLM is not installed (`make vllm`)"}
-    if not (SMOLLM2 / "config.json").is_file():
-        return {key: f"skipped: no {SMOLLM2.relative_to(ROOT)} (`make smollm2`)"}
+    results: dict[str, object] = {}
+    for name, folder in MODELS.items():
+        key = f"harvest_vllm_vs_hf_{name}_b{batch}"
+        if vllm_version() is None:
+            results[key] = "skipped: vLLM is not installed (`make vllm`)"
+        elif not (folder / "config.json").is_file():
+            results[key] = f"skipped: no {folder.relative_to(ROOT)} (`make smollm2`, `make qwen-coder-0.5b`)"
+        else:
+            results.update(compare(key, folder, batch, repeats))
+    return results
+
+
+def compare(key: str, folder: Path, batch: int, repeats: int) -> dict[str, object]:
+    """The two harvests of one model, side by side."""
     from redumix.generate.vllm_engine import VllmEngine
     from redumix.generate.vllm_redumix import redumix_generate_vllm
 
-    config = load_config(ROOT / "recipes" / "smollm2-135m-arith.yaml", SETTINGS)
+    config = load_config(ROOT / "recipes" / "smollm2-135m-arith.yaml", [f"model.path={folder}", *SETTINGS])
     task = make_task(config.task, config.seed)
     examples = task.examples("train", batch)
     prompts, ids = [e.prompt for e in examples], [e.id for e in examples]
     feedback = task_feedback("verifier", task, examples, config.seed)
-    model, tokenizer = load_model(SMOLLM2, config.model)
-    stop_ids = folder_stop_ids(SMOLLM2, tokenizer)
-    engine = VllmEngine(SMOLLM2, VllmSettings(kv_cache_gib=2), config.model.dtype, config.seed)
+    model, tokenizer = load_model(folder, config.model)
+    stop_ids = folder_stop_ids(folder, tokenizer)
+    engine = VllmEngine(folder, VllmSettings(kv_cache_gib=2), config.model.dtype, config.seed)
     window = model.config.max_position_embeddings
 
     def hf():
@@ -79,6 +92,11 @@ def run(batch: int = 16, repeats: int = 2) -> dict[str, object]:
 
 
 if __name__ == "__main__":
+    import argparse
     import json
 
-    print(json.dumps(run(), indent=2))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    print(json.dumps(run(args.batch, args.repeats), indent=2))

@@ -13,6 +13,10 @@ against the same code on the CPU in float32:
   throughput   harvest examples/s and peak memory, ours against the `generate` loop a user writes, on SmolLM2-135M
                (its real weights when `make smollm2` has run) and a Qwen2.5-1.5B-shaped model with random weights
   compile      our harvest with `model.compile_decoding` off and on
+  vllm         where vLLM imports (`make vllm`; the CUDA `vllm` package on a GPU): the engine's ReDuMix redo, as
+               paired requests, against redumix's own Hugging Face redo on the same device in float32 (equal ids,
+               stored top-k log-probs within VLLM_TOLERANCE), and a sampled redo alone against the same in a batch.
+               Elsewhere the row says it was skipped and why
 
 Without CUDA it runs a smoke version on the CPU (`--smoke`, the default there): bfloat16 against float32 on the CPU,
 the embedded shape for the throughput rows, a few tokens a stage. The same code paths run, so CI finds a break
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from bench.bench_decode import timed
 from bench.harvest_vs_hf import Redo, Stages, decodable_only, hf_harvest, hf_redo, ours_harvest
@@ -50,6 +55,8 @@ DECODERS = ["greedy", "redumix-oracle", "redumix-self", "moi", "pdr", "sr", "ref
 # bfloat16 keeps 8 bits of mantissa (a relative step of 2^-8); a log-prob near −1 that has been through a few layers
 # of it moves by a few hundredths of a nat. The median over shared tokens must stay within this.
 BF16_TOLERANCE = 0.05
+# The engine's stored top-k log-probs against the Hugging Face redo's, both float32 (the CPU tests hold 1e-4).
+VLLM_TOLERANCE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -259,6 +266,60 @@ def check_compile(model, tokenizer, prompts, stages: Stages, size: Size, device:
     return Row("compile_decoding off -> on", label, f"{device} {dtype}, batch {size.batch}", result, None)
 
 
+def check_vllm_engine(device: str, size: Size) -> list[Row]:
+    """The vLLM engine (harvest.engine=vllm) against redumix's Hugging Face redo on the device, float32: a random
+    head_dim-64 Llama at smoke sizes, SmolLM2-135M (its weights when `make smollm2` has run) on a GPU."""
+    check = "vLLM engine: paired ReDuMix redo vs HF redo"
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        return [Row(check, "-", device, f"skipped: vLLM does not import here ({exc}); `make vllm` adds the CPU "
+                    "engine, the CUDA `vllm` package the GPU one (docs/multiprocess-and-gpus.md)", None)]
+    from redumix.generate.mixture import mixture_loop
+    from redumix.generate.policy import SamplingPolicy
+    from redumix.generate.state import prefill
+    from redumix.generate.vllm_engine import VllmEngine, VllmSettings
+
+    with tempfile.TemporaryDirectory() as folder:
+        label, path = _vllm_model(Path(folder), size)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()  # vLLM sizes its cache from the memory free when it starts
+        engine = VllmEngine(path, VllmSettings(kv_cache_gib=1, gpu_memory_utilization=0.3), "float32", 0, device)
+        g = torch.Generator().manual_seed(0)
+        x = [torch.randint(2, 512, (8 + 4 * i,), generator=g).tolist() for i in range(size.examples)]
+        x2 = [p + torch.randint(2, 512, (40,), generator=g).tolist() for p in x]
+        seeds, stop, tokens = list(range(size.examples)), [int(model.config.eos_token_id)], 4 * size.tokens
+        greedy, sampled = SamplingPolicy(max_new_tokens=tokens), SamplingPolicy(temperature=1.0, max_new_tokens=tokens)
+        ours = engine.mix(x, x2, seeds, 0.5, 5, greedy, stop, tokens)
+        with torch.no_grad():
+            theirs = mixture_loop(model, prefill(model, x, 0), prefill(model, x2, 0), 0.5, 5, greedy,
+                                  torch.tensor(seeds), stop, tokens)
+        crowd = engine.mix(x[::-1], x2[::-1], seeds[::-1], 0.5, 5, sampled, stop, tokens)[-1].generation.token_ids
+        alone = engine.mix(x[:1], x2[:1], seeds[:1], 0.5, 5, sampled, stop, tokens)[0].generation.token_ids
+    equal, result = compare_ids([r.generation.token_ids for r in ours], [t[0].token_ids for t in theirs])
+    gap = max((abs(a - b) for r, t in zip(ours, theirs, strict=True) if r.topk_ids == t[1]
+               for row_a, row_b in zip(r.topk_logprobs, t[2], strict=True) for a, b in zip(row_a, row_b, strict=True)),
+              default=math.nan)
+    result += (f"; stored top-k log-probs differ by at most {gap:.2e} nats; a sampled redo alone equals it in a "
+               f"batch: {alone == crowd}")
+    ok = equal == len(x) and gap <= VLLM_TOLERANCE and alone == crowd
+    return [Row(check, label, f"{device} float32, vLLM {vllm.__version__}, V1 model runner", result, ok)]
+
+
+def _vllm_model(folder: Path, size: Size) -> tuple[str, Path]:
+    """A model vLLM takes (head_dim 64): SmolLM2 on a GPU, as a real folder or its shape; a tiny Llama at smoke."""
+    if size is FULL and (SMOLLM2 / "config.json").is_file():
+        return "SmolLM2-135M-Instruct", SMOLLM2
+    if size is FULL:
+        smollm2_shape_model().save_pretrained(folder)
+        return "SmolLM2-135M shape (random)", folder
+    seeded_model("llama", 0, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                 initializer_range=0.2, eos_token_id=1, pad_token_id=0, bos_token_id=None).save_pretrained(folder)
+    return "Llama, head_dim 64 (random)", folder
+
+
 def table(rows: list[Row]) -> str:
     verdict = {True: "ok", False: "FAILED", None: "–"}
     lines = ["| check | model | setting | result | verdict |", "|---|---|---|---|---|"]
@@ -278,7 +339,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     print(f"gpu-check on {args.device} ({where}), {'smoke' if smoke else 'full'} sizes", flush=True)
     rows = []
-    for check in (check_decoders, check_harvest_and_cfg, check_lora_step):
+    for check in (check_decoders, check_harvest_and_cfg, check_lora_step, check_vllm_engine):
         rows += check(args.device, size)
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     rows += check_throughput(args.device, size, smoke)

@@ -10,8 +10,12 @@ limits, preemption), so this module sizes its waves to make a split rare and ret
   needs only their last blocks in a step. `retried_pairs` counts them; the harvest's manifest records the count.
 
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the processor and this module share the ledger.
-That is also why there is no tensor parallelism yet: with it vLLM samples in worker processes, out of the ledger's
-reach.
+Several processes (`NPROC=N`, torchrun) take vLLM's external launcher, as TRL's colocate mode does: each rank builds
+its own engine, in its own process, on its own device, so each rank's ledger is its own. Tensor parallelism works
+the same way, with `vllm.tensor_parallel_size` ranks per engine: every rank of a group runs the same requests (vLLM's
+scheduling is deterministic, the external launcher's premise) and samples in its own process, so the processor sees
+the whole gathered logits on each. In one process vLLM would start its own workers for it, and sample there, out of
+the ledger's reach, so that is refused (`check_engine_ranks`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from redumix.common.ranks import rank, world_size
 from redumix.generate.loop import Generation, generation_from
 from redumix.generate.policy import SamplingPolicy
 
@@ -55,6 +60,11 @@ class VllmSettings:
                   "no gain at these sizes; set false on a GPU."},
     )
     max_retries: int = field(default=4, metadata={"help": "Times a split pair is retried before the harvest stops."})
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Ranks (GPUs) one engine spans, for a model that does not fit one. Needs NPROC a multiple "
+                  "of it (torchrun): the ranks of a group decode the same shards and the group's first writes them."},
+    )
 
     def __post_init__(self) -> None:
         problems = [f"{name} must be >= 1" for name in ("max_num_seqs", "max_num_batched_tokens")
@@ -65,6 +75,8 @@ class VllmSettings:
             problems.append("kv_cache_gib must be >= 1 and gpu_memory_utilization in (0, 1]")
         if self.max_retries < 0:
             problems.append(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.tensor_parallel_size < 1:
+            problems.append(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -98,6 +110,22 @@ def check_engine_model(path: str | Path, key: str, on_cpu: bool) -> None:
         )
 
 
+def check_engine_ranks(settings: VllmSettings, key: str) -> tuple[int, int]:
+    """(this rank's engine group, the number of groups): the ranks of a group share one tensor-parallel engine and
+    decode the same work. Refuses a world that the groups do not divide, and tensor parallelism in one process."""
+    tp, world = settings.tensor_parallel_size, world_size()
+    if tp > 1 and world == 1:
+        raise ValueError(
+            f"{key}=vllm with vllm.tensor_parallel_size={tp} needs {tp} ranks: run it with NPROC={tp} (torchrun), "
+            "one rank per device. In one process vLLM would sample in worker processes of its own, where the pair "
+            "mixer's ledger is out of reach"
+        )
+    if world % tp:
+        raise ValueError(f"{key}=vllm: NPROC={world} is not a multiple of vllm.tensor_parallel_size={tp}; each "
+                         "engine spans that many ranks")
+    return rank() // tp, world // tp
+
+
 @dataclass
 class MixedRedo:
     """One pair's redo: the generation and, per token, the top-k of p_mix and the log of its tail."""
@@ -118,6 +146,12 @@ class VllmEngine:
         check_engine_model(path, key, on_cpu)
         # The pair mixer's ledger is shared with this process, so the engine core must run in it.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # The pair mixer fills the V1 model runner's logits-processor interface. On a GPU vLLM defaults to Model
+        # Runner V2, whose interface is another and refuses the class; the CPU has the V1 runner only.
+        if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").lower() not in ("0", "false"):
+            raise ValueError(f"{key}=vllm needs vLLM's V1 model runner (the pair mixer is written for its logits "
+                             "processors): unset VLLM_USE_V2_MODEL_RUNNER, or set it to 0")
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         if on_cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
         from vllm import LLM
@@ -130,7 +164,14 @@ class VllmEngine:
         # A 32-token block (the CPU kernel's multiple) lets a retried pair find all but its prompts' last blocks in
         # the prefix cache; async scheduling is off so that a request's output list is current when the processor
         # reads its length (the index of the next draw).
-        extra = {"block_size": 32} if on_cpu else {}
+        extra: dict = {"block_size": 32} if on_cpu else {}
+        check_engine_ranks(settings, key)
+        if world_size() > 1:
+            # Under torchrun each rank builds its own engine, as TRL's colocate mode does: the external launcher
+            # joins the process group the rank already holds, takes the device from LOCAL_RANK, and keeps the engine
+            # core (so the pair mixer and its ledger) in this process. Building it is a collective over the ranks.
+            extra.update(distributed_executor_backend="external_launcher",
+                         tensor_parallel_size=settings.tensor_parallel_size)
         self.llm = LLM(
             model=str(path), dtype=dtype, seed=seed, skip_tokenizer_init=True, trust_remote_code=trust_remote_code,
             logits_processors=[PairMixer], enable_prefix_caching=True, async_scheduling=False,

@@ -70,6 +70,7 @@ def ensure_embedded(config: Config, run: RunDir) -> None:
     """The embedded model on first use, by rank 0 while the others wait: the shipped build when it matches the
     recipe's settings, else built from the code. Nothing when model.path names another model."""
     if config.model.path == EMBEDDED and not embedded_is_complete(run):
+        barrier()  # every rank has looked before rank 0 makes it: a late rank would find it made, skip the barrier
         if rank() == 0:
             shipped = shipped_embedded(config)
             if shipped is not None and not run.embedded.exists():

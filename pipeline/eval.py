@@ -174,8 +174,10 @@ def _engine(config: Config, path: Path):
     """The vLLM engine for this checkpoint when eval.engine=vllm (refused, naming the key, where vLLM cannot run)."""
     if config.eval.engine != "vllm":
         return None
-    if world_size() > 1:
-        raise ValueError("eval.engine=vllm runs in one process for now: run it with NPROC=1, or set eval.engine=hf")
+    if config.vllm.tensor_parallel_size > 1:
+        # eval gives each rank its own examples, and the ranks of a tensor-parallel engine must decode the same ones.
+        raise ValueError("eval.engine=vllm takes vllm.tensor_parallel_size=1 (one engine per rank, NPROC=N); "
+                         "tensor parallelism is for the harvest, or set eval.engine=hf")
     from redumix.generate.vllm_engine import VllmEngine
 
     return VllmEngine(path, config.vllm, config.model.dtype, config.seed, str(pick_device(config.model.device)),

@@ -6,6 +6,8 @@ A shard appears atomically and its rows do not depend on which process made it o
 seeded per example and per stage, and batches are cut inside the shard). So a rerun after a crash, or a run on
 another number of processes, produces the same rows, and `manifest.json`, written last by rank 0, marks the stage
 complete. The fingerprint of the config sections that decide the rows guards against mixing shards of two configs.
+With `harvest.engine=vllm` the unit is an engine's group of `vllm.tensor_parallel_size` ranks (one rank unless a
+model needs several devices): a group owns the shards k ≡ group (mod groups), and its first rank writes them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from redumix.data.task import Example, Task
 from redumix.data.tasks import make_task
 from redumix.generate.model_io import folder_stop_ids, load_model, load_tokenizer, pick_device, stop_token_ids
 from redumix.generate.redumix import FeedbackFn, RedumixResult, redumix_generate, task_feedback
-from redumix.generate.vllm_engine import check_engine_model
+from redumix.generate.vllm_engine import check_engine_model, check_engine_ranks
 from redumix.pipeline.config import Config
 from redumix.pipeline.embedded_stage import ensure_embedded
 from redumix.pipeline.harvest_folder import (
@@ -64,6 +66,10 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
             print0(f"harvest: complete ({manifest_path}), skipping. Delete {out} to harvest again.")
             return
         print0(f"harvest: {', '.join(bad)} no longer match manifest.json; redoing those shards only")
+        # Every rank has seen the manifest before rank 0 removes it: a rank that started late would otherwise find
+        # none, skip the barrier below, and be one barrier off from then on (a hang once vLLM's engine build, a
+        # collective, meets another rank's barrier).
+        barrier()
         if rank() == 0:
             for name in bad:
                 (out / name).unlink(missing_ok=True)
@@ -80,14 +86,11 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
         )
     if config.redumix.feedback == "human":
         _check_human_feedback(config.redumix.feedback_file, examples)
+    group, groups = rank(), world_size()  # who shares a shard: each rank alone, or an engine's ranks
     if config.harvest.engine == "vllm":  # before the folder is claimed: a model vLLM cannot run is refused first
-        if world_size() > 1:
-            # vLLM's in-process engine takes over torch.distributed's default group when one exists, and the
-            # harvest's ranks hold one (its barriers), so each rank's engine would join the others' world.
-            raise ValueError("harvest.engine=vllm runs in one process for now: run it with NPROC=1, or set "
-                             "harvest.engine=hf to harvest on several ranks")
         on_cpu = pick_device(config.model.device).type == "cpu"
         check_engine_model(model_path(config.model.path, run), "harvest.engine", on_cpu)
+        group, groups = check_engine_ranks(config.vllm, "harvest.engine")
     check_inputs(config.model, model_path(config.model.path, run), examples, config.sampling.max_new_tokens)
     claim_folder(out, config, fingerprint, settings)
 
@@ -96,13 +99,16 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
     if rank() == 0:
         _drop_unusable_shards(out, n_shards, examples, rows_per_shard, fingerprint)
     barrier()
-    mine = [k for k in range(n_shards) if k % world_size() == rank()]
+    mine = [k for k in range(n_shards) if k % groups == group]
     todo = [k for k in mine if not (out / shard_name(k)).exists()]
     if len(todo) < len(mine):
         print0(f"harvest: resuming, {len(mine) - len(todo)} of {len(mine)} shards already on disk")
 
-    if todo:
-        harvest_shards(config, run, task, examples, todo)
+    # vLLM's ranks all build their engines, work or not: the build is a collective over the ranks (the external
+    # launcher all-reduces the memory it finds), and a rank that skipped it would leave the others waiting.
+    if todo or (config.harvest.engine == "vllm" and world_size() > 1):
+        ranks_per_group = world_size() // groups
+        harvest_shards(config, run, task, examples, todo, writes=rank() % ranks_per_group == 0)
     barrier()
     if rank() == 0:
         manifest = harvest_manifest(config, out, n_shards, fingerprint)
@@ -148,7 +154,10 @@ def _shard_problem(path: Path, ids: list[str], fingerprint: str) -> str | None:
     return None
 
 
-def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Example], shards: list[int]) -> None:
+def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Example], shards: list[int],
+                   writes: bool = True) -> None:
+    """Harvest `shards` into RUN_DIR/harvest. `writes` is False on the ranks of a tensor-parallel engine but its
+    first: they decode the same rows in step with it, and one copy of each shard is written."""
     path = model_path(config.model.path, run)
     redumix_batch = _redumix_batch(config, path)
     size = config.harvest.shard_rows
@@ -169,8 +178,9 @@ def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Examp
             redos_done += len(made)
             bar.update(len(batch))
             bar.set_postfix(redo_acc=f"{redos_right / redos_done:.3f}")
-        atomic_write_bytes(run.harvest / shard_name(k), encode_shard(rows))
-        log_metrics(run.metrics, "harvest", shard=k, rows=len(rows))
+        if writes:
+            atomic_write_bytes(run.harvest / shard_name(k), encode_shard(rows))
+            log_metrics(run.metrics, "harvest", shard=k, rows=len(rows))
     bar.close()
 
 

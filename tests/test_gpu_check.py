@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from bench.gpu_check import Row, compare_ids, first_difference, logprob_gaps, table
@@ -30,3 +32,12 @@ def test_logprob_gaps_cover_the_shared_prefix_and_the_shared_topk_only() -> None
 def test_the_table_marks_failures() -> None:
     text = table([Row("harvest", "m", "cpu", "ids equal on 1/2", False), Row("throughput", "m", "cpu", "x", None)])
     assert "| harvest | m | cpu | ids equal on 1/2 | FAILED |" in text and text.endswith("| x | – |")
+
+
+def test_the_vllm_row_says_it_was_skipped_where_vllm_does_not_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.gpu_check import SMOKE, check_vllm_engine
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` meets where it is not installed
+    [row] = check_vllm_engine("cpu", SMOKE)
+    assert row.ok is None and row.result.startswith("skipped: vLLM does not import here")
+    assert "make vllm" in row.result

@@ -1,8 +1,15 @@
 """vLLM as the decoding engine, checked against the Hugging Face path in float32 on a CPU: the mixture as paired
 requests gives the ids (and stored top-k and tail) of redumix's own decode loop, a sampled redo does not depend on
-the batch, and a pair that vLLM splits is detected and retried. Skipped where vLLM is not installed (`make vllm`)."""
+the batch, and a pair that vLLM splits is detected and retried. Skipped where vLLM is not installed (`make vllm`).
+
+The exactness tests run on two models: a random head_dim-64 Llama (fast, every run) and SmolLM2-135M-Instruct (slow:
+a real checkpoint's flatter distributions and a 49k vocabulary, on ChatML prompts; `make smollm2` fetches it). CI
+runs both after `make vllm` (.ci/run)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -17,11 +24,39 @@ from redumix.generate.policy import SamplingPolicy  # noqa: E402
 from redumix.generate.state import prefill  # noqa: E402
 from redumix.generate.vllm_engine import VllmEngine, VllmSettings  # noqa: E402
 
-STOP, PAD, MAX_NEW = [1], 0, 12
+ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"
+MAX_NEW = 12
+SEEDS = [11, 22, 33, 44]
+
+
+@dataclass
+class Case:
+    """One model under test: its folder, the Hugging Face model, a vLLM engine on it, and four pairs of prompts."""
+
+    folder: Path
+    hf: LlamaForCausalLM
+    engine: VllmEngine
+    x: list[list[int]]
+    x2: list[list[int]]  # each longer than its x, as the harvest's x2 always is
+    stop: list[int]
+    pad: int
+
+
+def _random_prompts(n: int, low: int, high: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (n,), generator=g).tolist()
+    return [torch.randint(2, 512, (k,), generator=g).tolist() for k in lengths]
+
+
+def _case(folder: Path, x: list[list[int]], x2: list[list[int]], stop: list[int], pad: int) -> Case:
+    hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = VllmEngine(folder, VllmSettings(max_num_seqs=16, kv_cache_gib=1), "float32", seed=0)
+    return Case(folder, hf, engine, x, x2, stop, pad)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def llama_case(tmp_path_factory) -> Case:
     """A random Llama with head_dim 64 (vLLM's CPU attention rejects the embedded model's 24). initializer_range
     0.2 makes its next-token distributions peaked, so float32 rounding between the two engines cannot flip an
     argmax."""
@@ -31,54 +66,64 @@ def model_dir(tmp_path_factory):
                          initializer_range=0.2, eos_token_id=1, pad_token_id=0, bos_token_id=None)
     folder = tmp_path_factory.mktemp("llama64")
     LlamaForCausalLM(config).float().eval().save_pretrained(folder)
-    return folder
+    return _case(folder, _random_prompts(4, 8, 30, 1), _random_prompts(4, 40, 90, 2), [1], 0)
 
 
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    return LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def _smollm2_case() -> Case:
+    """SmolLM2 on the harvest's own prompts: x asks a question, x2 is the redo context after an attempt, a critique
+    and a reflection, rendered with the model's ChatML template."""
+    from transformers import AutoTokenizer
+
+    from redumix.data.chat import prompt_ids
+    from redumix.data.prompts import attempt_messages, redo_messages
+
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
+    questions = ["What is 17 + 25?", "Name the capital of France.", "What is 6 times 7?",
+                 "Write a word that rhymes with cat."]
+    attempts = ["17 + 25 = 32.", "Lyon.", "6 times 7 is 42.", "Dog."]
+    x = [prompt_ids(tokenizer, attempt_messages(q)) for q in questions]
+    x2 = [prompt_ids(tokenizer, redo_messages(q, a, "Check the answer again.", "I should verify each step."))
+          for q, a in zip(questions, attempts, strict=True)]
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return _case(SMOLLM2, x, x2, [end], tokenizer.pad_token_id)
 
 
-@pytest.fixture(scope="module")
-def engine(model_dir):
-    return VllmEngine(model_dir, VllmSettings(max_num_seqs=16, kv_cache_gib=1), "float32", seed=0)
+@pytest.fixture(scope="module", params=["llama64", pytest.param("smollm2", marks=pytest.mark.slow)])
+def case(request) -> Case:
+    if request.param == "llama64":
+        return request.getfixturevalue("llama_case")
+    if not (SMOLLM2 / "config.json").is_file():
+        pytest.skip(f"{SMOLLM2.relative_to(ROOT)} is absent: `make smollm2` fetches and converts it")
+    return _smollm2_case()
 
 
-def _prompts(n: int, low: int, high: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(low, high, (n,), generator=g).tolist()
-    return [torch.randint(2, 512, (k,), generator=g).tolist() for k in lengths]
-
-
-X, X2 = _prompts(4, 8, 30, 1), _prompts(4, 40, 90, 2)
-SEEDS = [11, 22, 33, 44]
-
-
-def _hf_mix(model, lam, policy, x=X, x2=X2, seeds=SEEDS):
+def _hf_mix(case: Case, lam: float, policy: SamplingPolicy):
+    """redumix's own Hugging Face redo of the case's four pairs: (generation, top-k ids, log-probs, tail) each."""
     with torch.no_grad():
-        return mixture_loop(model, prefill(model, x, PAD), prefill(model, x2, PAD), lam, 5, policy,
-                            torch.tensor(seeds), STOP, MAX_NEW)
+        return mixture_loop(case.hf, prefill(case.hf, case.x, case.pad), prefill(case.hf, case.x2, case.pad), lam, 5,
+                            policy, torch.tensor(SEEDS), case.stop, MAX_NEW)
 
 
-def _greedy(model, prompts):
+def _greedy(case: Case, prompts: list[list[int]]) -> list[list[int]]:
     with torch.no_grad():
-        return [g.token_ids for g in generate_batch(model, prompts, SamplingPolicy(), [0] * len(prompts), STOP, PAD,
-                                                    MAX_NEW)]
+        return [g.token_ids for g in generate_batch(case.hf, prompts, SamplingPolicy(), [0] * len(prompts), case.stop,
+                                                    case.pad, MAX_NEW)]
 
 
-def test_lambda_one_is_greedy_x_and_zero_is_greedy_x2(engine, hf_model):
+def test_lambda_one_is_greedy_x_and_zero_is_greedy_x2(case):
     greedy = SamplingPolicy(max_new_tokens=MAX_NEW)
-    at_one = engine.mix(X, X2, SEEDS, 1.0, 5, greedy, STOP, MAX_NEW)
-    at_zero = engine.mix(X, X2, SEEDS, 0.0, 5, greedy, STOP, MAX_NEW)
-    assert [r.generation.token_ids for r in at_one] == _greedy(hf_model, X)
-    assert [r.generation.token_ids for r in at_zero] == _greedy(hf_model, X2)
-    assert engine.generate(X, SEEDS, greedy, STOP, MAX_NEW)[0].token_ids == _greedy(hf_model, X)[0]
+    at_one = case.engine.mix(case.x, case.x2, SEEDS, 1.0, 5, greedy, case.stop, MAX_NEW)
+    at_zero = case.engine.mix(case.x, case.x2, SEEDS, 0.0, 5, greedy, case.stop, MAX_NEW)
+    assert [r.generation.token_ids for r in at_one] == _greedy(case, case.x)
+    assert [r.generation.token_ids for r in at_zero] == _greedy(case, case.x2)
+    plain = case.engine.generate(case.x, SEEDS, greedy, case.stop, MAX_NEW)
+    assert [g.token_ids for g in plain] == _greedy(case, case.x)
 
 
-def test_lambda_half_matches_the_hf_mixture_loop_with_its_stored_targets(engine, hf_model):
+def test_lambda_half_matches_the_hf_mixture_loop_with_its_stored_targets(case):
     greedy = SamplingPolicy(max_new_tokens=MAX_NEW)
-    ours = engine.mix(X, X2, SEEDS, 0.5, 5, greedy, STOP, MAX_NEW)
-    theirs = _hf_mix(hf_model, 0.5, greedy)
+    ours = case.engine.mix(case.x, case.x2, SEEDS, 0.5, 5, greedy, case.stop, MAX_NEW)
+    theirs = _hf_mix(case, 0.5, greedy)
     for r, (gen, ids, lps, tail) in zip(ours, theirs, strict=True):
         assert r.generation.token_ids == gen.token_ids
         assert r.topk_ids == ids
@@ -87,29 +132,45 @@ def test_lambda_half_matches_the_hf_mixture_loop_with_its_stored_targets(engine,
         assert r.retries == 0
 
 
-def test_sampled_redo_is_the_same_whatever_else_is_in_the_batch(engine, hf_model):
+def test_sampled_redo_is_the_same_whatever_else_is_in_the_batch(case):
     policy = SamplingPolicy(temperature=1.0, max_new_tokens=MAX_NEW)
-    alone = engine.mix(X[:1], X2[:1], SEEDS[:1], 0.5, 5, policy, STOP, MAX_NEW)[0]
-    crowd = engine.mix(X[::-1], X2[::-1], SEEDS[::-1], 0.5, 5, policy, STOP, MAX_NEW)[-1]
+    alone = case.engine.mix(case.x[:1], case.x2[:1], SEEDS[:1], 0.5, 5, policy, case.stop, MAX_NEW)[0]
+    crowd = case.engine.mix(case.x[::-1], case.x2[::-1], SEEDS[::-1], 0.5, 5, policy, case.stop, MAX_NEW)[-1]
     assert alone.generation.token_ids == crowd.generation.token_ids
     # and it is the Hugging Face harvest's draw: the same noise of (seed, output index)
-    assert alone.generation.token_ids == _hf_mix(hf_model, 0.5, policy)[0][0].token_ids
-    sampled = engine.generate(X, SEEDS, policy, STOP, MAX_NEW)
+    assert alone.generation.token_ids == _hf_mix(case, 0.5, policy)[0][0].token_ids
+    sampled = case.engine.generate(case.x, SEEDS, policy, case.stop, MAX_NEW)
     with torch.no_grad():
-        hf = generate_batch(hf_model, X, policy, SEEDS, STOP, PAD, MAX_NEW)
+        hf = generate_batch(case.hf, case.x, policy, SEEDS, case.stop, case.pad, MAX_NEW)
     assert [g.token_ids for g in sampled] == [g.token_ids for g in hf]
 
 
-def test_a_forced_split_is_detected_and_retried_to_the_unforced_rows(engine, model_dir):
+def test_a_forced_split_is_detected_and_retried_to_the_unforced_rows(llama_case):
     """A 64-token step budget chunks x2's prefill, so x draws before x2 is ready: every pair splits at first."""
+    case = llama_case
     policy = SamplingPolicy(temperature=1.0, max_new_tokens=MAX_NEW)
-    unforced = engine.mix(X, X2, SEEDS, 0.5, 5, policy, STOP, MAX_NEW)
-    tight = VllmEngine(model_dir, VllmSettings(max_num_seqs=16, max_num_batched_tokens=64, kv_cache_gib=1),
+    unforced = case.engine.mix(case.x, case.x2, SEEDS, 0.5, 5, policy, case.stop, MAX_NEW)
+    tight = VllmEngine(case.folder, VllmSettings(max_num_seqs=16, max_num_batched_tokens=64, kv_cache_gib=1),
                        "float32", seed=0)
-    forced = tight.mix(X, X2, SEEDS, 0.5, 5, policy, STOP, MAX_NEW)
+    forced = tight.mix(case.x, case.x2, SEEDS, 0.5, 5, policy, case.stop, MAX_NEW)
     assert tight.retried_pairs >= 1
     assert any(r.retries for r in forced)
     for a, b in zip(forced, unforced, strict=True):
         assert a.generation.token_ids == b.generation.token_ids
         assert a.topk_ids == b.topk_ids
         assert torch.allclose(torch.tensor(a.topk_logprobs), torch.tensor(b.topk_logprobs), atol=1e-4)
+
+
+def test_the_gpu_check_row_passes_on_this_machine():
+    """`make gpu-check`'s vLLM row, at smoke sizes: the code a GPU session runs, run here first."""
+    from bench.gpu_check import SMOKE, check_vllm_engine
+
+    [row] = check_vllm_engine("cpu", SMOKE)
+    assert row.ok is True, row.result
+
+
+def test_model_runner_v2_is_refused_naming_the_variable(llama_case, monkeypatch):
+    """The pair mixer fills the V1 runner's processor interface; a user's VLLM_USE_V2_MODEL_RUNNER=1 is refused."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="unset VLLM_USE_V2_MODEL_RUNNER, or set it to 0"):
+        VllmEngine(llama_case.folder, VllmSettings(max_num_seqs=16, kv_cache_gib=1), "float32", seed=0)

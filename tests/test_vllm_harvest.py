@@ -1,11 +1,15 @@
 """`harvest.engine=vllm`: every stage on vLLM, the same rows as the Hugging Face harvest (float rounding apart), a
 manifest that names the engine, and `train` reading the shards unchanged; `eval.engine=vllm`: the plain decoders'
-records equal Hugging Face's. The refusal of a model vLLM cannot run is checked with or without vLLM installed."""
+records equal Hugging Face's; `NPROC=2` through torchrun (slow), one engine per rank or one engine over both ranks,
+gives one process's rows. The refusal of a model vLLM cannot run is checked with or without vLLM installed."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,15 +47,20 @@ def model_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llama64-chat")
     LlamaForCausalLM(config).eval().save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(ROOT / "models" / "tiny-embedded" / name, folder / name)
+        shutil.copy(ROOT / "models" / "tiny-base" / name, folder / name)
     return folder
 
 
 def _harvest(run_dir: Path, model_dir: Path, *extra: str) -> tuple[list[dict], dict]:
-    from redumix.data.shards import iter_rows, shard_paths
-
     config = load_config(ROOT / "recipes" / "tiny.yaml", [f"model.path={model_dir}", *SMALL, *extra])
     run_harvest(config, RunDir(run_dir))
+    return _rows(run_dir)
+
+
+def _rows(run_dir: Path) -> tuple[list[dict], dict]:
+    """A finished harvest's rows (their timing and engine details dropped) and its manifest."""
+    from redumix.data.shards import iter_rows, shard_paths
+
     rows = []
     for row in iter_rows(shard_paths(run_dir / "harvest")):
         meta = json.loads(row["meta"])
@@ -103,3 +112,98 @@ def test_eval_engine_vllm_decodes_the_plain_decoders_as_hf_does(tmp_path, model_
         assert len(records["vllm"][name]) == 4
         assert records["vllm"][name] == records["hf"][name], name
     assert [r["output"] for r in records["vllm"]["sample"]] != [r["output"] for r in records["vllm"]["greedy"]]
+
+
+def _torchrun_harvest(run_dir: Path, model_dir: Path, *extra: str) -> None:
+    """`make harvest NPROC=2`'s command: two ranks through torchrun, each with its own in-process engine."""
+    command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
+               "-m", "redumix.pipeline.cli", "harvest", "--recipe", str(ROOT / "recipes" / "tiny.yaml"),
+               "--run-dir", str(run_dir), f"model.path={model_dir}", *SMALL, "harvest.engine=vllm", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_two_ranks_harvest_disjoint_shards_whose_union_is_one_process_run(tmp_path, model_dir):
+    """Three shards on two ranks (rank 0 owns shards 0 and 2, rank 1 shard 1), each rank with its own engine; then a
+    resume where only rank 1 has work left, which rank 0 must not leave waiting in the engines' collective build;
+    then one engine across both ranks (vllm.tensor_parallel_size=2), whose first rank writes."""
+    from tests.conftest import rows_differ
+
+    extra = ["harvest.n=6"]
+    one, _ = _harvest(tmp_path / "one", model_dir, "harvest.engine=vllm", *extra)
+    _torchrun_harvest(tmp_path / "two", model_dir, *extra)
+    two, manifest = _rows(tmp_path / "two")
+    assert len(one) == 6 and rows_differ(two, one) == []
+    assert manifest["engine"] == "vllm" and manifest["retried_pairs"] == 0
+
+    (tmp_path / "two" / "harvest" / manifest_shard(manifest, 1)).unlink()
+    _torchrun_harvest(tmp_path / "two", model_dir, *extra)
+    assert rows_differ(_rows(tmp_path / "two")[0], one) == []
+
+    _torchrun_harvest(tmp_path / "tp", model_dir, *extra, "vllm.tensor_parallel_size=2")
+    assert rows_differ(_rows(tmp_path / "tp")[0], one) == []
+
+
+def manifest_shard(manifest: dict, k: int) -> str:
+    from redumix.data.shards import shard_name
+
+    assert shard_name(k) in manifest["shard_files"]
+    return shard_name(k)
+
+
+def test_tensor_parallel_in_one_process_is_refused_naming_nproc(tmp_path, model_dir):
+    config = load_config(ROOT / "recipes" / "tiny.yaml", [f"model.path={model_dir}", *SMALL, "harvest.engine=vllm",
+                                                          "vllm.tensor_parallel_size=2"])
+    with pytest.raises(ValueError, match=r"vllm.tensor_parallel_size=2 needs 2 ranks: run it with NPROC=2"):
+        run_harvest(config, RunDir(tmp_path))
+    assert not (tmp_path / "harvest" / "manifest.json").exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_eval_on_vllm_gives_one_process_records(tmp_path, model_dir):
+    """`make eval NPROC=2 ARGS=eval.engine=vllm`: each rank builds an engine per checkpoint (two in turn here, the
+    tuned one a copy of the base) and decodes its share of the examples; rank 0 gathers the records of one process."""
+    from redumix.pipeline.eval import run_eval
+
+    settings = [f"model.path={model_dir}", "eval.n=5", "eval.n_other=5", "eval.batch_size=4",
+                "eval.checkpoints=[base, tuned]", "eval.decoders=[greedy, sample]", "eval.tuned_decoders=[]",
+                "sampling.max_new_tokens=8", "vllm.kv_cache_gib=1", "vllm.max_num_seqs=8", "eval.engine=vllm"]
+    for name in ("one", "two"):
+        shutil.copytree(model_dir, tmp_path / name / "train" / "merged")
+    run_eval(load_config(ROOT / "recipes" / "tiny.yaml", settings), RunDir(tmp_path / "one"))
+    command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
+               "-m", "redumix.pipeline.cli", "eval", "--recipe", str(ROOT / "recipes" / "tiny.yaml"),
+               "--run-dir", str(tmp_path / "two"), *settings]
+    done = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    files = sorted(p.name for p in (tmp_path / "two" / "eval" / "generations").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "one" / "eval" / "generations").iterdir())
+    assert len(files) == 4 and not [name for name in files if ".rank" in name]
+    for name in files:
+        one, two = ([{k: v for k, v in json.loads(line).items() if k != "seconds"}
+                     for line in (tmp_path / run / "eval" / "generations" / name).read_text().splitlines()]
+                    for run in ("one", "two"))
+        assert len(two) == 5 and two == one, name
+
+
+def test_ranks_that_tensor_parallel_engines_do_not_divide_are_refused(monkeypatch):
+    from redumix.generate.vllm_engine import VllmSettings, check_engine_ranks
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    assert check_engine_ranks(VllmSettings(tensor_parallel_size=2), "harvest.engine") == (1, 2)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"NPROC=3 is not a multiple of vllm.tensor_parallel_size=2"):
+        check_engine_ranks(VllmSettings(tensor_parallel_size=2), "harvest.engine")
+
+
+def test_eval_refuses_a_tensor_parallel_engine(tmp_path, model_dir):
+    from redumix.pipeline.eval import run_eval
+
+    settings = [f"model.path={model_dir}", "eval.n=2", "eval.checkpoints=[base]", "eval.decoders=[greedy]",
+                "eval.engine=vllm", "vllm.tensor_parallel_size=2"]
+    with pytest.raises(ValueError, match=r"eval.engine=vllm takes vllm.tensor_parallel_size=1"):
+        run_eval(load_config(ROOT / "recipes" / "tiny.yaml", settings), RunDir(tmp_path))
