@@ -84,11 +84,16 @@ def _differences(marker: Path, settings: dict) -> str:
         theirs = None
     if not isinstance(theirs, dict):
         return f"{marker.name} predates the stored settings, so the keys that differ are not known"
+    changed = settings_differences(theirs, settings)
+    return "what differs: " + ", ".join(changed) if changed else "the stored settings match; only the hash differs"
+
+
+def settings_differences(theirs: dict, settings: dict) -> list[str]:
+    """`key: old -> new` for every dotted key whose value differs between stored settings and these."""
     ours, theirs = _dotted(json.loads(json.dumps(settings))), _dotted(theirs)  # JSON's types on both sides
     missing = "(unset)"
-    changed = [f"{key}: {json.dumps(theirs.get(key, missing))} -> {json.dumps(ours.get(key, missing))}"
-               for key in sorted(ours.keys() | theirs.keys()) if theirs.get(key, missing) != ours.get(key, missing)]
-    return "what differs: " + ", ".join(changed) if changed else "the stored settings match; only the hash differs"
+    return [f"{key}: {json.dumps(theirs.get(key, missing))} -> {json.dumps(ours.get(key, missing))}"
+            for key in sorted(ours.keys() | theirs.keys()) if theirs.get(key, missing) != ours.get(key, missing)]
 
 
 def _dotted(settings: dict, prefix: str = "") -> dict:

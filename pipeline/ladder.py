@@ -31,6 +31,7 @@ from redumix.generate.redumix import redo_contexts, stage_seeds, task_feedback
 from redumix.generate.state import clone
 from redumix.pipeline.config import Config
 from redumix.pipeline.embedded_stage import ensure_embedded
+from redumix.pipeline.harvest_folder import settings_differences
 from redumix.pipeline.run import RunDir, model_path
 from redumix.pipeline.stats import newcombe_paired_interval, wilson_interval
 
@@ -203,12 +204,8 @@ def _settings(config: Config) -> dict:
 def _claim(path: Path, settings: dict) -> None:
     """Records are only resumed under the settings that made them; another setting gets its own run folder."""
     if path.exists():
-        before = read_json(path)
-        if before != settings:
-            changed = [f"{section}.{key}" if key else section for section, value in settings.items()
-                       for key in (value if isinstance(value, dict) else [""])
-                       if (before.get(section, {}).get(key) if key else before.get(section)) !=
-                       (value[key] if key else value)]
+        changed = settings_differences(read_json(path), settings)
+        if changed:
             raise ValueError(f"{path}: the ladder records here were made with other settings ({', '.join(changed)}); "
                              "use another --run-dir, or delete that folder to measure again")
         return
