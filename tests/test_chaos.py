@@ -10,9 +10,10 @@ an eval record; once every unit is done, to its end), or after the attempt's fir
 the time the stage last took from one unit to the next; each window is scaled by the attempt's own pace so far (its
 start-up, or its time to that first unit, against the last ones seen). So kills land in start-up, in a stage's set-up
 (the base's copy, loading the model), in the middle of a shard, a checkpoint or a record, in an atomic write, in the
-merge and in the final report, and a kill moves the work on by under a unit on average. Each stage is killed
-KILLS_PER_STAGE times (plus the kills an earlier stage did not land), or until its completion marker is written, and
-then runs to its end; a kill drawn after the attempt's end is no kill.
+merge and in the final report, and a kill moves the work on by under a unit on average. Once a stage has no more
+units left than kills it still owes, its kills fall before its next unit, so each stage lands its quota. Each stage
+is killed KILLS_PER_STAGE times (plus the kills an earlier stage did not land), or until its completion marker is
+written, and then runs to its end; a kill drawn after the attempt's end is no kill.
 
 What is checked, besides the end state (shard rows, the manifest, train's metrics and weights, eval's report rows):
 - each rerun resumes from what was on disk at the kill: the harvest counts the shards that were there, train
@@ -225,16 +226,19 @@ class KillAt:
         return startup + to_unit + self.fraction * self.window * to_unit / self.reference
 
 
-def kill_moment(chaos: Chaos, stage: str) -> KillAt:
+def kill_moment(chaos: Chaos, stage: str, owed: int) -> KillAt:
     """In start-up (one kill in five); else, with even odds, after the run-folder line within the time the stage last
     took from it to a unit of work, or after the first new unit within the time it last took from one unit to the
     next (each at this attempt's pace)."""
     fraction = chaos.rng.random()
     if chaos.rng.random() < START_UP_SHARE:
         return KillAt("start", fraction, chaos.startup)
-    if units_done(chaos.run, stage) == UNITS[stage]:  # set-up, then the final writes
+    left = UNITS[stage] - units_done(chaos.run, stage)
+    if left == 0:  # set-up, then the final writes
         return KillAt("ready", fraction, chaos.to_unit[stage] + chaos.final[stage], chaos.startup)
-    if chaos.rng.random() < 0.5:
+    # A kill after a new unit moves the stage on; once the units left are no more than the kills it still owes, such
+    # kills would end the stage short of its quota (CI once landed 19 of 24), so kills fall before the next unit.
+    if owed >= left or chaos.rng.random() < 0.5:
         return KillAt("ready", fraction, chaos.to_unit[stage], chaos.startup)
     return KillAt("unit", fraction, chaos.unit_gap[stage], chaos.to_unit[stage])
 
@@ -257,7 +261,7 @@ def run_stage_with_kills(chaos: Chaos, stage: str, quota: int) -> None:
     while True:
         number += 1
         complete = (chaos.run.root / MARKERS[stage]).is_file()
-        kill = kill_moment(chaos, stage) if kills < quota and not complete else None
+        kill = kill_moment(chaos, stage, quota - kills) if kills < quota and not complete else None
         run = attempt(chaos.run, chaos.logs / f"{stage}-{number:02d}.out", stage, kill)
         if run.startup is not None:
             chaos.startup = run.startup
