@@ -24,6 +24,8 @@ ARMS: dict[str, Arm] = {
     "gold": Arm("verifier", {"target": "gold"}, "SFT: the task's reference working (what a perfect teacher gives)"),
     "original": Arm("verifier", {"target": "original"},
                     "SFT: the model's own first attempts (what any fine-tune on this data gives)"),
+    "rft": Arm("verifier", {"target": "original", "rows": "original_correct"},
+               "RFT (rejection-sampling fine-tuning): SFT on the model's own right first attempts, one per problem"),
     "feedback-self": Arm("self", {}, "p_mix from a harvest whose feedback is the model's own critique"),
     "feedback-none": Arm("none", {}, "p_mix from a harvest with no feedback at all (reflect only)"),
     "feedback-random": Arm("random", {}, "p_mix from a harvest with a coin-flip verdict, wrong half the time"),

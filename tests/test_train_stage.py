@@ -92,9 +92,21 @@ def test_row_filters_and_heldout_split(tmp_path: Path) -> None:
     assert len(filter_rows(rows, "all")) == 30
     assert len(filter_rows(rows, "redo_correct")) == 15
     assert len(filter_rows(rows, "improved")) == len([i for i in range(30) if i % 2 == 0 and i % 3 != 0])
+    right = filter_rows(rows, "original_correct")  # the `rft` arm's rows: the model's own right first attempts
+    assert len(right) == 10 and all(right["original_correct"])
     train, held = split_heldout(rows, 0.3)
     assert len(train) + len(held) == 30 and 0 < len(held) < 30
     assert set(split_heldout(rows.shuffle(seed=1), 0.3)[1]["id"]) == set(held["id"])  # by id, not by order
+
+
+def test_the_rft_arm_learns_only_the_right_first_attempts(tmp_path: Path) -> None:
+    from redumix.pipeline.evidence_arms import ARMS
+
+    run = _run(tmp_path, n_rows=30)  # original right when i % 3 == 0: 10 rows
+    settings = [f"train.{key}={value}" for key, value in ARMS["rft"].train.items()]
+    result = run_train(load_config(None, [*FAST, *settings, "train.max_steps=2", "train.heldout_fraction=0.0"]), run)
+    assert result["rows"]["harvested"] == 30 and result["rows"]["selected"] == result["rows"]["train"] == 10
+    assert result["steps"] == 2
 
 
 def test_collator_aligns_teacher_with_targets(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-RowFilter = Literal["all", "improved", "redo_correct"]
+RowFilter = Literal["all", "improved", "redo_correct", "original_correct"]
 Target = Literal["mixture", "redo", "gold", "original"]
 
 
@@ -64,7 +64,9 @@ class TrainConfig:
     # --- the data ---
     rows: RowFilter = field(
         default="all",
-        metadata={"help": "Rows to learn from: 'all', 'improved' (original wrong, redo right) or 'redo_correct'."},
+        metadata={"help": "Rows to learn from: 'all', 'improved' (original wrong, redo right), 'redo_correct', or "
+                  "'original_correct' (the first attempt right: with target 'original', rejection-sampling "
+                  "fine-tuning, RFT, on the harvest's one attempt per problem)."},
     )
     heldout_fraction: float = field(
         default=0.05, metadata={"help": "Fraction of rows held out (chosen by hashed id) for the held-out KL metric."}

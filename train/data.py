@@ -26,11 +26,14 @@ def load_harvest(folder: Path) -> Dataset:
 
 
 def filter_rows(rows: Dataset, which: RowFilter) -> Dataset:
-    """`all`, `improved` (original wrong, redo right) or `redo_correct`. An unknown verdict (None) never passes."""
+    """`all`, `improved` (original wrong, redo right), `redo_correct` or `original_correct`. An unknown verdict (None)
+    never passes."""
     if which == "all":
         return rows
     if which == "improved":
         return rows.filter(lambda r: r["original_correct"] is False and r["redo_correct"] is True)
+    if which == "original_correct":
+        return rows.filter(lambda r: r["original_correct"] is True)
     return rows.filter(lambda r: r["redo_correct"] is True)
 
 
