@@ -164,10 +164,11 @@ class LadderConfig:
         metadata={"help": "Temperature of the redos and of the resample they are set against (the attempt, critique "
                   "and reflection follow `sampling`)."},
     )
-    instruction: Literal["redo", "fresh"] = field(
+    instruction: Literal["redo", "fresh", "answer"] = field(
         default="redo",
-        metadata={"help": "The last user turn of x2: 'redo', the ReDuMix paper's, or 'fresh', which asks for a new "
-                  "solution rather than a rewrite."},
+        metadata={"help": "The last user turn of x2: 'redo', the ReDuMix paper's; 'fresh', which asks for a new "
+                  "solution rather than a rewrite; 'answer', which asks for the reply alone, with no talk about "
+                  "the task (pipeline/ladder.py, INSTRUCTIONS)."},
     )
 
     def __post_init__(self) -> None:

@@ -35,12 +35,15 @@ from redumix.pipeline.harvest_folder import settings_differences
 from redumix.pipeline.run import RunDir, model_path
 from redumix.pipeline.stats import newcombe_paired_interval, wilson_interval
 
-# The redo instruction, a protocol lever: the ReDuMix paper's own, or one that asks for a new solution rather than a
-# rewrite (small models told to "redo" mostly copy their attempt: arXiv:2507.14295).
+# The redo instruction, a protocol lever: the ReDuMix paper's own; one that asks for a new solution rather than a
+# rewrite (small models told to "redo" mostly copy their attempt: arXiv:2507.14295); or one that asks for the answer
+# alone (at 200 problems the redos copied the reflection or chatted about the task: docs/real-models.md).
 INSTRUCTIONS = {
     "redo": REDO,
     "fresh": "Now solve the task again from the beginning with a new solution. Do not copy your earlier answer: "
              "work it out afresh, using what your reflection found.",
+    "answer": "Now reply to my original request again, improved by your reflection. Write only the reply itself: no "
+              "greeting, no apology, and nothing about the request or your reflection.",
 }
 RESAMPLE = "resample"
 

@@ -80,3 +80,19 @@ def test_summary_pairs_the_redo_with_the_resample_on_wrong_attempts():
     assert low < 0 < high
     assert redo["repeats_on_wrong"] == 0.25 and redo["examples"]["repeat_on_wrong"] == ["3"]
     assert redo["keep_right_accuracy"] == pytest.approx(4 / 6)
+
+
+def test_every_redo_instruction_the_config_accepts_has_its_text():
+    import dataclasses
+    import typing
+
+    from redumix.data.prompts import redo_messages
+    from redumix.pipeline.config import LadderConfig
+    from redumix.pipeline.ladder import INSTRUCTIONS
+
+    [field] = [f for f in dataclasses.fields(LadderConfig) if f.name == "instruction"]
+    hints = typing.get_type_hints(LadderConfig)
+    assert set(typing.get_args(hints["instruction"])) == set(INSTRUCTIONS)
+    assert field.default in INSTRUCTIONS
+    turn = redo_messages("Write a note.", "A note.", "Too long.", "Shorter.", INSTRUCTIONS["answer"])[-1]
+    assert turn == {"role": "user", "content": INSTRUCTIONS["answer"]}
