@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import typing
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,15 @@ from bench.models import build_train_tokenizer
 from redumix.pipeline.config import load_config
 from redumix.pipeline.run import RunDir
 from redumix.pipeline.train import run_train
-from redumix.train.data import SparseTeacherCollator, build_examples, filter_rows, load_harvest, split_heldout
+from redumix.train.config import RowFilter
+from redumix.train.data import (
+    ROW_FILTERS,
+    SparseTeacherCollator,
+    build_examples,
+    filter_rows,
+    load_harvest,
+    split_heldout,
+)
 from redumix.train.loss import select_targets, sparse_gkd_loss
 from tests.train_fixtures import write_base, write_harvest
 
@@ -94,6 +103,7 @@ def test_row_filters_and_heldout_split(tmp_path: Path) -> None:
     assert len(filter_rows(rows, "improved")) == len([i for i in range(30) if i % 2 == 0 and i % 3 != 0])
     right = filter_rows(rows, "original_correct")  # the `rft` arm's rows: the model's own right first attempts
     assert len(right) == 10 and all(right["original_correct"])
+    assert set(typing.get_args(RowFilter)) == {"all", *ROW_FILTERS}  # every filter the config accepts has its rule
     train, held = split_heldout(rows, 0.3)
     assert len(train) + len(held) == 30 and 0 < len(held) < 30
     assert set(split_heldout(rows.shuffle(seed=1), 0.3)[1]["id"]) == set(held["id"])  # by id, not by order

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,16 +26,17 @@ def load_harvest(folder: Path) -> Dataset:
     return load_shards(Path(folder))
 
 
+# `train.rows` by name: which harvested rows are learned. An unknown verdict (None) never passes a filter.
+ROW_FILTERS: dict[str, Callable[[dict], bool]] = {
+    "improved": lambda r: r["original_correct"] is False and r["redo_correct"] is True,
+    "redo_correct": lambda r: r["redo_correct"] is True,
+    "original_correct": lambda r: r["original_correct"] is True,  # the `rft` evidence arm's rows
+}
+
+
 def filter_rows(rows: Dataset, which: RowFilter) -> Dataset:
-    """`all`, `improved` (original wrong, redo right), `redo_correct` or `original_correct`. An unknown verdict (None)
-    never passes."""
-    if which == "all":
-        return rows
-    if which == "improved":
-        return rows.filter(lambda r: r["original_correct"] is False and r["redo_correct"] is True)
-    if which == "original_correct":
-        return rows.filter(lambda r: r["original_correct"] is True)
-    return rows.filter(lambda r: r["redo_correct"] is True)
+    """The rows `which` keeps (`all`: every row)."""
+    return rows if which == "all" else rows.filter(ROW_FILTERS[which])
 
 
 def is_heldout(example_id: str, fraction: float) -> bool:
