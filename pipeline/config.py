@@ -164,6 +164,12 @@ class LadderConfig:
         metadata={"help": "Temperature of the redos and of the resample they are set against (the attempt, critique "
                   "and reflection follow `sampling`)."},
     )
+    resamples: int = field(
+        default=1,
+        metadata={"help": "Independent second tries from x alone at redo_temperature (k attempts per problem). "
+                  "From 2, the table adds, at equal samples, each redo with a resample (keep the one the verifier "
+                  "passes) against two resamples; a larger count later adds samples to the records."},
+    )
     instruction: Literal["redo", "fresh", "answer"] = field(
         default="redo",
         metadata={"help": "The last user turn of x2: 'redo', the ReDuMix paper's; 'fresh', which asks for a new "
@@ -179,6 +185,11 @@ class LadderConfig:
             problems.append(f"lams must list λ values in [0, 1], got {self.lams}")
         if self.redo_temperature < 0:
             problems.append(f"redo_temperature must be >= 0, got {self.redo_temperature}")
+        if self.resamples < 1:
+            problems.append(f"resamples must be >= 1, got {self.resamples}")
+        elif self.resamples > 1 and self.redo_temperature == 0:
+            problems.append(f"resamples={self.resamples} needs redo_temperature > 0: a greedy second try is the "
+                            "attempt again")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -4,9 +4,11 @@ A retry that fixes nothing beyond what resampling fixes brings nothing, so every
 independent sample of the same model from x alone at the redo's temperature (the `resample` arm; with a greedy
 redo it is the attempt again). Per problem, on one cache: a greedy attempt (`sampling`), the verifier's feedback, one
 reflection, then one redo per λ in `ladder.lams` from clones of the two contexts; with `ladder.self_critique`, the
-same again with the model's own critique as the feedback, at `redumix.lam`. Records go to RUN_DIR/ladder/ after
-every batch (a rerun resumes, and a larger `ladder.n` adds problems); the table, with paired intervals, to
-ladder.md and summary.json. docs/real-models.md holds the ladder over real models that this measures.
+same again with the model's own critique as the feedback, at `redumix.lam`. With `ladder.resamples` k > 1, k
+independent second tries (k attempts per problem), and the table sets each redo with one resample (keep the one the
+verifier passes) against two resamples, at equal samples. Records go to RUN_DIR/ladder/ after every batch (a rerun
+resumes, a larger `ladder.n` adds problems and a larger `ladder.resamples` samples); the table, with paired
+intervals, to ladder.md and summary.json. docs/real-models.md holds the ladder over real models that this measures.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from tqdm import tqdm
 
 from redumix.common.files import atomic_write_json, atomic_write_jsonl, atomic_write_text, read_json, read_jsonl
 from redumix.common.ranks import print0
-from redumix.data.prompts import REDO
+from redumix.data.chat import template_pieces
+from redumix.data.prompts import REDO, attempt_messages
 from redumix.data.task import Example, Task
 from redumix.data.tasks import make_task
 from redumix.generate.mixture import mixture_loop
@@ -48,9 +51,15 @@ INSTRUCTIONS = {
 RESAMPLE = "resample"
 
 
+def resample_names(count: int) -> list[str]:
+    """`resample`, `resample2`, ...: independent second tries from x alone."""
+    return [RESAMPLE, *(f"{RESAMPLE}{j}" for j in range(2, count + 1))]
+
+
 def arm_names(config: Config) -> list[str]:
-    """The arms, baseline first: `verifier@λ` per λ, `self@λ` for the self-critique at redumix.lam."""
-    names = [RESAMPLE, *(f"verifier@{lam:g}" for lam in config.ladder.lams)]
+    """The arms, baselines first: the resamples, `verifier@λ` per λ, `self@λ` for the self-critique at
+    redumix.lam."""
+    names = [*resample_names(config.ladder.resamples), *(f"verifier@{lam:g}" for lam in config.ladder.lams)]
     return names + ([f"self@{config.redumix.lam:g}"] if config.ladder.self_critique else [])
 
 
@@ -66,21 +75,27 @@ def run_ladder(config: Config, run: RunDir) -> None:
     records_path = out / "records.jsonl"
     records = {r["id"]: r for _, r in read_jsonl(records_path)} if records_path.exists() else {}
     todo = [e for e in examples if e.id not in records]
+    wanted = resample_names(ladder.resamples)
+    more = [e for e in examples if e.id in records and not set(wanted) <= set(records[e.id]["arms"])]
     if len(todo) < len(examples):
-        print0(f"ladder: resuming, {len(examples) - len(todo)} of {len(examples)} problems already in {records_path}")
-    if todo:
+        print0(f"ladder: resuming, {len(examples) - len(todo)} of {len(examples)} problems already in {records_path}"
+               + (f"; {len(more)} of them get more resamples" if more else ""))
+    if todo or more:
         ensure_embedded(config, run)
         model, tokenizer = load_model(model_path(config.model.path, run), config.model)
         stop_ids = stop_token_ids(model, tokenizer)
-        bar = tqdm(total=len(todo), desc="ladder", unit="problem")
-        for start in range(0, len(todo), ladder.batch_size):
-            batch = todo[start : start + ladder.batch_size]
-            with torch.no_grad():
-                for record in ladder_batch(model, tokenizer, task, batch, config, stop_ids):
-                    records[record["id"]] = record
-            atomic_write_jsonl(records_path, records.values(), ensure_ascii=False)  # every batch: a crash loses one
-            bar.update(len(batch))
-        bar.close()
+        for work, desc in ((todo, "ladder"), (more, "ladder: more resamples")):
+            bar = tqdm(total=len(work), desc=desc, unit="problem", disable=not work)
+            for start in range(0, len(work), ladder.batch_size):
+                batch = work[start : start + ladder.batch_size]
+                with torch.no_grad():
+                    if work is todo:
+                        records |= {r["id"]: r for r in ladder_batch(model, tokenizer, task, batch, config, stop_ids)}
+                    else:
+                        add_resamples(model, tokenizer, task, batch, [records[e.id] for e in batch], config, stop_ids)
+                atomic_write_jsonl(records_path, records.values(), ensure_ascii=False)  # a crash loses one batch
+                bar.update(len(batch))
+            bar.close()
     rows = [records[e.id] for e in examples]
     summary = summarize_ladder(rows, arm_names(config))
     summary["settings"] = _settings(config)
@@ -113,28 +128,54 @@ def ladder_batch(model, tokenizer, task: Task, batch: Sequence[Example], config:
 
     stages, verifier = redos(task_feedback("verifier", task, batch, config.seed), ladder.lams)
     if redo_policy.greedy:  # a second greedy try is the attempt itself
-        resample = [(t, len(a.token_ids)) for t, a in zip(stages.y1_text, stages.attempts, strict=True)]
+        resamples = {RESAMPLE: [(t, len(a.token_ids)) for t, a in zip(stages.y1_text, stages.attempts, strict=True)]}
     else:
-        gens = generate_batch(model, stages.x_ids, redo_policy, redo_seeds.tolist(), stop_ids, tokenizer.pad_token_id)
-        resample = [(decode(g.content_ids(stop_ids)), len(g.token_ids)) for g in gens]
+        resamples = resample_texts(model, tokenizer, stages.x_ids, ids, resample_names(ladder.resamples), config,
+                                   stop_ids)
     critique = redos(None, [config.redumix.lam]) if ladder.self_critique else None
-
-    def graded(text_and_tokens: tuple[str, int], example: Example) -> dict:
-        text, tokens = text_and_tokens
-        return {"text": text, "answer": task.answer(text), "correct": task.is_correct(text, example), "tokens": tokens}
 
     records = []
     for i, example in enumerate(batch):
-        arms = {RESAMPLE: graded(resample[i], example)}
-        arms |= {f"verifier@{lam:g}": graded(verifier[lam][i], example) for lam in ladder.lams}
-        record = {"id": example.id, "attempt": graded((stages.y1_text[i], len(stages.attempts[i].token_ids)), example),
+        arms = {name: graded(task, texts[i], example) for name, texts in resamples.items()}
+        arms |= {f"verifier@{lam:g}": graded(task, verifier[lam][i], example) for lam in ladder.lams}
+        attempt = (stages.y1_text[i], len(stages.attempts[i].token_ids))
+        record = {"id": example.id, "attempt": graded(task, attempt, example),
                   "feedback": stages.r_text[i], "reflection": stages.c_text[i]}
         if critique is not None:
             self_stages, self_texts = critique
-            arms[f"self@{config.redumix.lam:g}"] = graded(self_texts[config.redumix.lam][i], example)
+            arms[f"self@{config.redumix.lam:g}"] = graded(task, self_texts[config.redumix.lam][i], example)
             record |= {"critique": self_stages.r_text[i], "self_reflection": self_stages.c_text[i]}
         records.append(record | {"arms": arms})
     return records
+
+
+def resample_texts(model, tokenizer, x_ids: list[list[int]], ids: Sequence[str], names: Sequence[str],
+                   config: Config, stop_ids: Sequence[int]) -> dict[str, list[tuple[str, int]]]:
+    """Each named resample of every problem, sampled from x alone at the redo's temperature. The first shares the
+    redo's per-problem seeds; each later one has its own, so a resample is the same whatever else runs with it."""
+    policy = replace(config.sampling, temperature=config.ladder.redo_temperature)
+    texts = {}
+    for name in names:
+        seeds = stage_seeds(config.seed, ids, "redo" if name == RESAMPLE else name)
+        gens = generate_batch(model, x_ids, policy, seeds.tolist(), stop_ids, tokenizer.pad_token_id)
+        texts[name] = [(tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True), len(g.token_ids))
+                       for g in gens]
+    return texts
+
+
+def add_resamples(model, tokenizer, task: Task, batch: Sequence[Example], records: Sequence[dict], config: Config,
+                  stop_ids: Sequence[int]) -> None:
+    """Adds the resamples that `ladder.resamples` asks for and these records lack (in place)."""
+    missing = [n for n in resample_names(config.ladder.resamples) if any(n not in r["arms"] for r in records)]
+    x_ids = [template_pieces(tokenizer, attempt_messages(e.prompt))[0] for e in batch]
+    texts = resample_texts(model, tokenizer, x_ids, [e.id for e in batch], missing, config, stop_ids)
+    for i, (example, record) in enumerate(zip(batch, records, strict=True)):
+        record["arms"] |= {n: graded(task, texts[n][i], example) for n in missing if n not in record["arms"]}
+
+
+def graded(task: Task, text_and_tokens: tuple[str, int], example: Example) -> dict:
+    text, tokens = text_and_tokens
+    return {"text": text, "answer": task.answer(text), "correct": task.is_correct(text, example), "tokens": tokens}
 
 
 def _repeats(arm: dict, attempt: dict) -> bool:
@@ -173,7 +214,33 @@ def summarize_ladder(rows: list[dict], arms: list[str]) -> dict:
             "mean_tokens": _share(sum(r["arms"][name]["tokens"] for r in rows), n),
             "examples": {"fixed": fixed[:3], "broken": broken[:3], "repeat_on_wrong": repeats_on_wrong[:3]},
         }
+    resamples = [name for name in arms if name.startswith(RESAMPLE)]
+    if len(resamples) > 1:
+        summary |= equal_samples(rows, wrong, [name for name in arms if name not in resamples], resamples)
     return summary
+
+
+def equal_samples(rows: list[dict], wrong: list[dict], redos: list[str], resamples: list[str]) -> dict:
+    """Two tries after a wrong attempt, keeping the one the verifier passes: each redo with the first resample
+    against the first two resamples, paired on the wrong attempts; and k attempts per problem, the wrong attempts
+    fixed by any of the first k resamples (rejection sampling's curve)."""
+    two = [RESAMPLE, resamples[1]]
+    passes = lambda r, names: any(r["arms"][n]["correct"] for n in names)  # noqa: E731
+    attempt_right = len(rows) - len(wrong)
+    pairs = {}
+    for name in [f"{RESAMPLE}+{resamples[1]}", *(f"{redo}+{RESAMPLE}" for redo in redos)]:
+        names = name.split("+")
+        table = {"both": 0, "fixed": 0, "broken": 0, "neither": 0}  # the pair against the two resamples
+        for r in wrong:
+            pair, base = passes(r, names), passes(r, two)
+            table["both" if pair and base else "fixed" if pair else "broken" if base else "neither"] += 1
+        fixed = table["both"] + table["fixed"]
+        pairs[name] = {"fixed": fixed, "keep_right_accuracy": _share(attempt_right + fixed, len(rows)),
+                       "vs_two_resamples_on_wrong": _share(table["fixed"] - table["broken"], len(wrong)),
+                       "vs_two_resamples_interval": newcombe_paired_interval(**table),
+                       "vs_two_resamples_table": table}
+    best_of = [sum(passes(r, resamples[:k]) for r in wrong) for k in range(1, len(resamples) + 1)]
+    return {"equal_samples": pairs, "best_of_resamples_fixed": best_of}
 
 
 def _share(part: float, whole: int) -> float:
@@ -194,12 +261,24 @@ def ladder_table(summary: dict) -> str:
         lines.append(f"| {name} | {pct(arm['accuracy'])}% | {arm['fixed']} / {arm['broken']} | "
                      f"{pct(arm['repeats'])}% / {pct(arm['repeats_on_wrong'])}% | {vs} | "
                      f"{pct(arm['keep_right_accuracy'])}% |")
+    if "equal_samples" in summary:
+        lines += ["", "Two tries after a wrong attempt, keeping the one the verifier passes:", "",
+                  "| tries | wrong attempts fixed | redo only the wrong | − two resamples, on wrong [95% CI] |",
+                  "|---|---|---|---|"]
+        for name, pair in summary["equal_samples"].items():
+            low, high = pair["vs_two_resamples_interval"]
+            vs = "–" if name.count(RESAMPLE) == 2 else (f"{pct(pair['vs_two_resamples_on_wrong'])} "
+                                                        f"[{pct(low)}, {pct(high)}]")
+            lines.append(f"| {name} | {pair['fixed']} | {pct(pair['keep_right_accuracy'])}% | {vs} |")
+        best = ", ".join(f"{k} → {fixed}" for k, fixed in enumerate(summary["best_of_resamples_fixed"], 1))
+        lines += ["", f"k resamples per wrong attempt, wrong attempts fixed by any of them: {best}"]
     return "\n".join(lines) + "\n"
 
 
 def _settings(config: Config) -> dict:
-    """What fixes a record: the model, the task, decoding and the ladder's levers (not n, skip or batch size)."""
-    levers = {k: v for k, v in asdict(config.ladder).items() if k not in ("n", "skip", "batch_size")}
+    """What fixes a record: the model, the task, decoding and the ladder's levers (not n, skip, batch size or the
+    number of resamples, which only add to a record)."""
+    levers = {k: v for k, v in asdict(config.ladder).items() if k not in ("n", "skip", "batch_size", "resamples")}
     return {"seed": config.seed, "model": asdict(config.model), "task": asdict(config.task),
             "sampling": asdict(config.sampling), "redumix": asdict(config.redumix), "ladder": levers}
 

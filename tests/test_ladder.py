@@ -61,6 +61,45 @@ def test_sampled_resample_is_a_second_draw(tmp_path):
     assert any(r["arms"][RESAMPLE]["text"] != r["attempt"]["text"] for r in records)
 
 
+def test_more_resamples_add_to_the_records_and_pair_at_equal_samples(tmp_path):
+    sampled = [*SMALL, "ladder.redo_temperature=1.0", "ladder.self_critique=false", "ladder.lams=[0.0]"]
+    run_ladder(load_config("tiny", sampled), RunDir(tmp_path / "one"))
+    first = _records(tmp_path / "one")
+    run_ladder(load_config("tiny", [*sampled, "ladder.resamples=3"]), RunDir(tmp_path / "one"))  # adds to the records
+    added = _records(tmp_path / "one")
+    run_ladder(load_config("tiny", [*sampled, "ladder.resamples=3"]), RunDir(tmp_path / "fresh"))
+    fresh = _records(tmp_path / "fresh")
+    assert [r["attempt"] for r in added] == [r["attempt"] for r in first]
+    for before, after, whole in zip(first, added, fresh, strict=True):
+        assert set(after["arms"]) == {RESAMPLE, "resample2", "resample3", "verifier@0"}
+        assert {k: after["arms"][k] for k in before["arms"]} == before["arms"]  # nothing redone
+        assert after["arms"] == whole["arms"]  # each resample has its own seeds: added later or not, the same draw
+    assert any(r["arms"]["resample2"]["text"] != r["arms"][RESAMPLE]["text"] for r in added)
+    summary = json.loads((tmp_path / "one" / "ladder" / "summary.json").read_text())
+    wrong = [r for r in added if not r["attempt"]["correct"]]
+    pair = summary["equal_samples"]["verifier@0+resample"]
+    assert pair["fixed"] == sum(r["arms"]["verifier@0"]["correct"] or r["arms"][RESAMPLE]["correct"] for r in wrong)
+    assert summary["best_of_resamples_fixed"][0] == summary["arms"][RESAMPLE]["fixed"]
+    assert "| verifier@0+resample |" in (tmp_path / "one" / "ladder" / "ladder.md").read_text()
+    with pytest.raises(ValueError, match="resamples=2 needs redo_temperature > 0"):
+        load_config("tiny", [*SMALL, "ladder.resamples=2"])
+
+
+def test_equal_samples_pairs_a_redo_and_a_resample_against_two_resamples():
+    graded = lambda ok: {"text": "", "answer": None, "correct": ok, "tokens": 1}  # noqa: E731
+    rows = [{"id": str(i), "attempt": graded(a), "arms": {RESAMPLE: graded(s1), "resample2": graded(s2),
+                                                          "redo": graded(d)}}
+            for i, (a, s1, s2, d) in enumerate([(False, False, False, True), (False, False, True, False),
+                                                (False, True, False, False), (False, False, True, True),
+                                                (False, False, False, False), (True, False, False, False)])]
+    summary = summarize_ladder(rows, [RESAMPLE, "resample2", "redo"])
+    pairs = summary["equal_samples"]
+    assert pairs["resample+resample2"]["fixed"] == 3 and pairs["redo+resample"]["fixed"] == 3
+    assert pairs["redo+resample"]["vs_two_resamples_table"] == {"both": 2, "fixed": 1, "broken": 1, "neither": 1}
+    assert pairs["redo+resample"]["keep_right_accuracy"] == pytest.approx(4 / 6)
+    assert summary["best_of_resamples_fixed"] == [1, 3]
+
+
 def _row(i: int, attempt: bool, resample: bool, redo: bool, answers: tuple = ("1", "1", "2")) -> dict:
     graded = lambda ok, a: {"text": a, "answer": a, "correct": ok, "tokens": 3}  # noqa: E731
     return {"id": str(i), "attempt": graded(attempt, answers[0]),
