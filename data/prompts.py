@@ -10,6 +10,16 @@ REDO = (
     "Do not rely on the information you retrieved from this conversation round."
 )
 CRITIQUE = "Check your answer. Is it right?"
+# The redo turn, a protocol lever (`redumix.instruction`): the paper's own; one that asks for a new solution rather
+# than a rewrite (small models told to "redo" mostly copy their attempt: arXiv:2507.14295); or one that asks for the
+# reply alone (real models' redos copied the reflection or chatted about the task: docs/real-models.md).
+REDO_INSTRUCTIONS = {
+    "redo": REDO,
+    "fresh": "Now solve the task again from the beginning with a new solution. Do not copy your earlier answer: "
+             "work it out afresh, using what your reflection found.",
+    "answer": "Now reply to my original request again, improved by your reflection. Write only the reply itself: no "
+              "greeting, no apology, and nothing about the request or your reflection.",
+}
 
 
 def attempt_messages(prompt: str) -> list[Message]:
@@ -67,7 +77,7 @@ def distill_messages(prompt: str, drafts: list[str]) -> list[Message]:
 
 
 def redo_messages(prompt: str, attempt: str, feedback: str, reflection: str, instruction: str = REDO) -> list[Message]:
-    """x2 = [x ‖ y1 ‖ r ‖ c ‖ REDO] (`instruction` stands in for REDO in the ladder's protocol levers)"""
+    """x2 = [x ‖ y1 ‖ r ‖ c ‖ REDO] (`instruction`: one of REDO_INSTRUCTIONS, `redumix.instruction`)"""
     return [
         *reflect_messages(prompt, attempt, feedback),
         {"role": "assistant", "content": reflection},

@@ -15,7 +15,7 @@ How it differs from the seed's Algorithm 1, and why:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -23,7 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from redumix.data.chat import template_pieces
 from redumix.data.grading import verdict_feedback
-from redumix.data.prompts import REDO, attempt_messages, redo_messages, reflect_messages
+from redumix.data.prompts import REDO_INSTRUCTIONS, attempt_messages, redo_messages, reflect_messages
 from redumix.data.task import Example, Task
 from redumix.generate.accounting import Usage
 from redumix.generate.decoder import Decoded, Model, Tokenizer
@@ -51,9 +51,22 @@ class RedumixConfig:
     feedback_file: str = field(default="", metadata={"help": "human feedback: JSONL lines with 'id' and 'feedback'."})
     reflection_max_tokens: int = field(default=256, metadata={"help": "Most tokens in the reflection c."})
     critique_max_tokens: int = field(default=48, metadata={"help": "Most tokens in a self-critique r."})
+    instruction: Literal["redo", "fresh", "answer"] = field(
+        default="redo",
+        metadata={"help": "The last user turn of x2: 'redo', the ReDuMix paper's; 'fresh', which asks for a new "
+                  "solution rather than a rewrite; 'answer', which asks for the reply alone, with no talk about "
+                  "the task (data/prompts.py, REDO_INSTRUCTIONS)."},
+    )
+    redo_temperature: float | None = field(
+        default=None,
+        metadata={"help": "Temperature of the redo (and of the ladder's resamples); None keeps `sampling`'s, which "
+                  "the attempt, critique and reflection follow."},
+    )
 
     def __post_init__(self) -> None:
         problems = []
+        if self.redo_temperature is not None and self.redo_temperature < 0:
+            problems.append(f"redo_temperature must be >= 0, got {self.redo_temperature}")
         if not 0 <= self.lam <= 1:
             problems.append(f"lam must be in [0, 1], got {self.lam}")
         if self.topk < 1:
@@ -121,7 +134,8 @@ def redumix_generate(
     stages, x_context, x2_context, usage = redo_contexts(model, tokenizer, prompts, example_ids, config, policy, seed,
                                                          stop_ids, feedback)
     seeds = stage_seeds(seed, example_ids, "redo")
-    redo = mixture_loop(model, x_context, x2_context, config.lam, config.topk, policy, seeds, stop_ids)
+    redo = mixture_loop(model, x_context, x2_context, config.lam, config.topk, redo_policy(config, policy), seeds,
+                        stop_ids)
     mode = "self" if feedback is None else config.feedback
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     return [redo_result(stages, i, products, usage[i], config.lam, mode, decode, stop_ids)
@@ -138,7 +152,6 @@ def redo_contexts(
     seed: int,
     stop_ids: Sequence[int],
     feedback: FeedbackFn | None,
-    redo_instruction: str = REDO,
 ) -> tuple[RedoStages, DecodeState, DecodeState, list[Usage]]:
     """Stages 1-3 (attempt, feedback, reflection) and the redo's two contexts: x's cache and x2's, ready for
     `mixture_loop`. The redo may be decoded from them more than once (at several λ) from `clone`s."""
@@ -181,7 +194,7 @@ def redo_contexts(
     c_text = [decode(ids) for ids in c]
 
     # --- the redo's contexts: x2 = [x ‖ y1 ‖ r ‖ c ‖ REDO], and x's cache kept from stage 1 ---
-    redo_convs = [redo_messages(p, t, r, ct, redo_instruction)
+    redo_convs = [redo_messages(p, t, r, ct, REDO_INSTRUCTIONS[config.instruction])
                   for p, t, r, ct in zip(prompts, y1_text, r_text, c_text, strict=True)]
     redo_pieces = [template_pieces(tokenizer, conv)[2] for conv in redo_convs]  # from c's close to the redo's open
     segments = [ids[g.cached :] + piece for ids, g, piece in zip(c, reflections, redo_pieces, strict=True)]
@@ -271,6 +284,11 @@ def x2_prefix(x: list[int], y1: list[int], cut: int, tokenizer: PreTrainedTokeni
     return x + tokenizer(COMPRESSION_NOTE, add_special_tokens=False)["input_ids"] + y1
 
 
+def redo_policy(config: RedumixConfig, policy: SamplingPolicy) -> SamplingPolicy:
+    """The redo's policy: `policy` at redumix.redo_temperature where that is set."""
+    return policy if config.redo_temperature is None else replace(policy, temperature=config.redo_temperature)
+
+
 def stage_seeds(global_seed: int, example_ids: Sequence[str], stage: str) -> torch.Tensor:
     return torch.tensor([example_seed(global_seed, f"{eid}/{stage}") for eid in example_ids], dtype=torch.long)
 
@@ -290,7 +308,8 @@ def window_cuts(
         return [0] * len(y1)
     # Worst case of x2 plus the redo: x ‖ y1 ‖ r + REFLECT ‖ c (at its cap) ‖ REDO ‖ y (at its cap).
     redo_piece = [
-        template_pieces(tokenizer, [*conv, {"role": "assistant", "content": ""}, {"role": "user", "content": REDO}])[2]
+        template_pieces(tokenizer, [*conv, {"role": "assistant", "content": ""},
+                                    {"role": "user", "content": REDO_INSTRUCTIONS[config.instruction]}])[2]
         for conv in reflect_convs
     ]
     note_len = len(tokenizer(COMPRESSION_NOTE, add_special_tokens=False)["input_ids"])

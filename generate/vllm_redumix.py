@@ -15,7 +15,13 @@ from collections.abc import Sequence
 from transformers import PreTrainedTokenizerBase
 
 from redumix.data.chat import template_pieces
-from redumix.data.prompts import attempt_messages, critique_messages, redo_messages, reflect_messages
+from redumix.data.prompts import (
+    REDO_INSTRUCTIONS,
+    attempt_messages,
+    critique_messages,
+    redo_messages,
+    reflect_messages,
+)
 from redumix.generate.accounting import Usage
 from redumix.generate.loop import Generation
 from redumix.generate.policy import SamplingPolicy
@@ -25,6 +31,7 @@ from redumix.generate.redumix import (
     RedoStages,
     RedumixConfig,
     RedumixResult,
+    redo_policy,
     redo_result,
     stage_seeds,
     window_cuts,
@@ -89,13 +96,15 @@ def redumix_generate_vllm(
     c_text = [decode(ids) for ids in c]
 
     # --- stage 4: x2 = [x ‖ y1 ‖ r ‖ c ‖ REDO]; the redo as a pair of requests, x and x2 ---
-    redo_convs = [redo_messages(p, t, r, ct) for p, t, r, ct in zip(prompts, y1_text, r_text, c_text, strict=True)]
+    instruction = REDO_INSTRUCTIONS[config.instruction]
+    redo_convs = [redo_messages(p, t, r, ct, instruction)
+                  for p, t, r, ct in zip(prompts, y1_text, r_text, c_text, strict=True)]
     redo_pieces = [template_pieces(tokenizer, conv)[2] for conv in redo_convs]
     x2_ids = [pre + rp + ct + dp for pre, rp, ct, dp in zip(prefixes, reflect_pieces, c, redo_pieces, strict=True)]
     for u, ct, g, dp in zip(usage, c, reflections, redo_pieces, strict=True):
         u.prefill_tokens += len(ct) - g.cached + len(dp)
         u.fpe += len(ct) - g.cached + len(dp)
-    redos = engine.mix(x_ids, x2_ids, seeds["redo"], config.lam, config.topk, policy, stop_ids,
+    redos = engine.mix(x_ids, x2_ids, seeds["redo"], config.lam, config.topk, redo_policy(config, policy), stop_ids,
                        policy.max_new_tokens)
     stages = RedoStages(x_ids, attempts, y1, y1_text, r_text, reflections, c, c_text, cut, x2_ids,
                         [len(ids) for ids in x2_ids])

@@ -159,22 +159,11 @@ class LadderConfig:
     )
     self_critique: bool = field(default=True, metadata={"help": "Also redo after the model's own critique, at "
                                                                   "redumix.lam."})
-    redo_temperature: float = field(
-        default=0.0,
-        metadata={"help": "Temperature of the redos and of the resample they are set against (the attempt, critique "
-                  "and reflection follow `sampling`)."},
-    )
     resamples: int = field(
         default=1,
-        metadata={"help": "Independent second tries from x alone at redo_temperature (k attempts per problem). "
-                  "From 2, the table adds, at equal samples, each redo with a resample (keep the one the verifier "
-                  "passes) against two resamples; a larger count later adds samples to the records."},
-    )
-    instruction: Literal["redo", "fresh", "answer"] = field(
-        default="redo",
-        metadata={"help": "The last user turn of x2: 'redo', the ReDuMix paper's; 'fresh', which asks for a new "
-                  "solution rather than a rewrite; 'answer', which asks for the reply alone, with no talk about "
-                  "the task (pipeline/ladder.py, INSTRUCTIONS)."},
+        metadata={"help": "Independent second tries from x alone at redumix.redo_temperature (k attempts per "
+                  "problem). From 2, the table adds, at equal samples, each redo with a resample (keep the one the "
+                  "verifier passes) against two resamples; a larger count later adds samples to the records."},
     )
 
     def __post_init__(self) -> None:
@@ -183,13 +172,8 @@ class LadderConfig:
             problems.append(f"skip must be >= 0, got {self.skip}")
         if not self.lams or not all(0 <= lam <= 1 for lam in self.lams):
             problems.append(f"lams must list λ values in [0, 1], got {self.lams}")
-        if self.redo_temperature < 0:
-            problems.append(f"redo_temperature must be >= 0, got {self.redo_temperature}")
         if self.resamples < 1:
             problems.append(f"resamples must be >= 1, got {self.resamples}")
-        elif self.resamples > 1 and self.redo_temperature == 0:
-            problems.append(f"resamples={self.resamples} needs redo_temperature > 0: a greedy second try is the "
-                            "attempt again")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -271,6 +255,14 @@ class Config:
         if self.name and not _SAFE_NAME.fullmatch(self.name):
             raise ValueError(f"name {self.name!r} must be letters, digits, '.', '_' or '-' (it names the folder "
                              "runs/<name>); use --run-dir to choose another folder")
+        if self.ladder.resamples > 1 and self.redo_temperature() == 0:
+            raise ValueError(f"ladder.resamples={self.ladder.resamples} needs redumix.redo_temperature > 0: a greedy "
+                             "second try is the attempt again")
+
+    def redo_temperature(self) -> float:
+        """The redo's temperature: redumix.redo_temperature, else sampling's."""
+        chosen = self.redumix.redo_temperature
+        return self.sampling.temperature if chosen is None else chosen
 
 
 def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:

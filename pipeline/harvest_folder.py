@@ -41,11 +41,22 @@ def harvest_settings(config: Config, task: Task) -> dict:
         "base": _flat(asdict(config.embedded)) if config.model.path == EMBEDDED else None,
         "task": flat_settings(config.task),  # the flat layout harvests were fingerprinted with before
         "sampling": asdict(config.sampling),
-        "redumix": asdict(config.redumix),
+        "redumix": redumix_settings(config),
         "harvest": {"n": config.harvest.n, "split": config.harvest.split, "shard_rows": config.harvest.shard_rows,
                     # only when set, so that harvests made before `skip` existed keep their fingerprint
                     **({"skip": config.harvest.skip} if config.harvest.skip else {})},
     }
+
+
+def redumix_settings(config: Config) -> dict:
+    """The redumix section, its redo instruction and temperature only where they are not the defaults, so that
+    harvests made before those keys existed keep their fingerprint."""
+    section = asdict(config.redumix)
+    if section["instruction"] == "redo":
+        del section["instruction"]
+    if section["redo_temperature"] is None:
+        del section["redo_temperature"]
+    return section
 
 
 def model_settings(config: Config) -> dict:

@@ -1,21 +1,23 @@
 """`redumix ladder`: on train problems, does a redo after feedback beat a second try?
 
 A retry that fixes nothing beyond what resampling fixes brings nothing, so every redo is set against a second,
-independent sample of the same model from x alone at the redo's temperature (the `resample` arm; with a greedy
-redo it is the attempt again). Per problem, on one cache: a greedy attempt (`sampling`), the verifier's feedback, one
-reflection, then one redo per λ in `ladder.lams` from clones of the two contexts; with `ladder.self_critique`, the
-same again with the model's own critique as the feedback, at `redumix.lam`. With `ladder.resamples` k > 1, k
-independent second tries (k attempts per problem), and the table sets each redo with one resample (keep the one the
-verifier passes) against two resamples, at equal samples. Records go to RUN_DIR/ladder/ after every batch (a rerun
-resumes, a larger `ladder.n` adds problems and a larger `ladder.resamples` samples); the table, with paired
-intervals, to ladder.md and summary.json. docs/real-models.md holds the ladder over real models that this measures.
+independent sample of the same model from x alone at the redo's temperature (the `resample` arm; with a greedy redo
+it is the attempt again). The redo's levers are the harvest's keys (`redumix.instruction`,
+`redumix.redo_temperature`), so the protocol a ladder chooses is the one a recipe freezes. Per problem, on one
+cache: a greedy attempt (`sampling`), the verifier's feedback, one reflection, then one redo per λ in `ladder.lams`
+from clones of the two contexts; with `ladder.self_critique`, the same again with the model's own critique as the
+feedback, at `redumix.lam`. With `ladder.resamples` k > 1, k independent second tries (k attempts per problem), and
+the table sets each redo with one resample (keep the one the verifier passes) against two resamples, at equal
+samples. Records go to RUN_DIR/ladder/ after every batch (a rerun resumes, a larger `ladder.n` adds problems and a
+larger `ladder.resamples` samples); the table, with paired intervals, to ladder.md and summary.json. docs/real-
+models.md holds the ladder over real models that this measures.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -24,13 +26,13 @@ from tqdm import tqdm
 from redumix.common.files import atomic_write_json, atomic_write_jsonl, atomic_write_text, read_json, read_jsonl
 from redumix.common.ranks import print0
 from redumix.data.chat import template_pieces
-from redumix.data.prompts import REDO, attempt_messages
+from redumix.data.prompts import attempt_messages
 from redumix.data.task import Example, Task
 from redumix.data.tasks import make_task
 from redumix.generate.mixture import mixture_loop
 from redumix.generate.model_io import load_model, stop_token_ids
 from redumix.generate.plain import generate_batch
-from redumix.generate.redumix import redo_contexts, stage_seeds, task_feedback
+from redumix.generate.redumix import redo_contexts, redo_policy, stage_seeds, task_feedback
 from redumix.generate.state import clone
 from redumix.pipeline.config import Config
 from redumix.pipeline.embedded_stage import ensure_embedded
@@ -38,16 +40,6 @@ from redumix.pipeline.harvest_folder import settings_differences
 from redumix.pipeline.run import RunDir, model_path
 from redumix.pipeline.stats import newcombe_paired_interval, wilson_interval
 
-# The redo instruction, a protocol lever: the ReDuMix paper's own; one that asks for a new solution rather than a
-# rewrite (small models told to "redo" mostly copy their attempt: arXiv:2507.14295); or one that asks for the answer
-# alone (at 200 problems the redos copied the reflection or chatted about the task: docs/real-models.md).
-INSTRUCTIONS = {
-    "redo": REDO,
-    "fresh": "Now solve the task again from the beginning with a new solution. Do not copy your earlier answer: "
-             "work it out afresh, using what your reflection found.",
-    "answer": "Now reply to my original request again, improved by your reflection. Write only the reply itself: no "
-              "greeting, no apology, and nothing about the request or your reflection.",
-}
 RESAMPLE = "resample"
 
 
@@ -110,24 +102,23 @@ def ladder_batch(model, tokenizer, task: Task, batch: Sequence[Example], config:
     """One record per problem: the attempt, its feedback and reflection, and every arm's answer, graded."""
     ladder = config.ladder
     prompts, ids = [e.prompt for e in batch], [e.id for e in batch]
-    redo_policy = replace(config.sampling, temperature=ladder.redo_temperature)
+    policy = redo_policy(config.redumix, config.sampling)
     redo_seeds = stage_seeds(config.seed, ids, "redo")
-    instruction = INSTRUCTIONS[ladder.instruction]
     decode = lambda ids_: tokenizer.decode(ids_, skip_special_tokens=True)  # noqa: E731
 
     def redos(feedback, lams: Sequence[float]) -> tuple:
         stages, x_context, x2_context, _ = redo_contexts(model, tokenizer, prompts, ids, config.redumix,
-                                                         config.sampling, config.seed, stop_ids, feedback, instruction)
+                                                         config.sampling, config.seed, stop_ids, feedback)
         texts = {}
         for k, lam in enumerate(lams):
             last = k == len(lams) - 1  # the last λ may use up the contexts; the others decode from copies
             contexts = (x_context, x2_context) if last else (clone(x_context), clone(x2_context))
-            found = mixture_loop(model, *contexts, lam, config.redumix.topk, redo_policy, redo_seeds, stop_ids)
+            found = mixture_loop(model, *contexts, lam, config.redumix.topk, policy, redo_seeds, stop_ids)
             texts[lam] = [(decode(g.content_ids(stop_ids)), len(g.token_ids)) for g, *_ in found]
         return stages, texts
 
     stages, verifier = redos(task_feedback("verifier", task, batch, config.seed), ladder.lams)
-    if redo_policy.greedy:  # a second greedy try is the attempt itself
+    if policy.greedy:  # a second greedy try is the attempt itself
         resamples = {RESAMPLE: [(t, len(a.token_ids)) for t, a in zip(stages.y1_text, stages.attempts, strict=True)]}
     else:
         resamples = resample_texts(model, tokenizer, stages.x_ids, ids, resample_names(ladder.resamples), config,
@@ -153,7 +144,7 @@ def resample_texts(model, tokenizer, x_ids: list[list[int]], ids: Sequence[str],
                    config: Config, stop_ids: Sequence[int]) -> dict[str, list[tuple[str, int]]]:
     """Each named resample of every problem, sampled from x alone at the redo's temperature. The first shares the
     redo's per-problem seeds; each later one has its own, so a resample is the same whatever else runs with it."""
-    policy = replace(config.sampling, temperature=config.ladder.redo_temperature)
+    policy = redo_policy(config.redumix, config.sampling)
     texts = {}
     for name in names:
         seeds = stage_seeds(config.seed, ids, "redo" if name == RESAMPLE else name)
@@ -279,8 +270,12 @@ def _settings(config: Config) -> dict:
     """What fixes a record: the model, the task, decoding and the ladder's levers (not n, skip, batch size or the
     number of resamples, which only add to a record)."""
     levers = {k: v for k, v in asdict(config.ladder).items() if k not in ("n", "skip", "batch_size", "resamples")}
+    # The redo's instruction and temperature were ladder keys before the harvest took them: they are kept where
+    # earlier run folders have them, so that those resume.
+    redumix = {k: v for k, v in asdict(config.redumix).items() if k not in ("instruction", "redo_temperature")}
+    levers |= {"redo_temperature": config.redo_temperature(), "instruction": config.redumix.instruction}
     return {"seed": config.seed, "model": asdict(config.model), "task": asdict(config.task),
-            "sampling": asdict(config.sampling), "redumix": asdict(config.redumix), "ladder": levers}
+            "sampling": asdict(config.sampling), "redumix": redumix, "ladder": levers}
 
 
 def _claim(path: Path, settings: dict) -> None:

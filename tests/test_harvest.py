@@ -180,3 +180,27 @@ def test_the_bundled_recipes_keep_their_harvest_fingerprints():
     for recipe, expected in [("tiny", "75a697811176a160"), ("smollm2-135m-constraints", "ca9b63980cc664c1")]:
         config = load_config(recipe)
         assert harvest_fingerprint(config, make_task(config.task, config.seed)) == expected, recipe
+
+
+def test_the_redo_instruction_and_temperature_are_the_harvests_levers(tmp_path, model_dir):
+    """The protocol a ladder chooses is frozen in the recipe's redumix section, and the harvest decodes it: x2 ends
+    with the chosen instruction, and only the redo is drawn at redo_temperature (the attempt stays greedy)."""
+    from transformers import AutoTokenizer
+
+    from redumix.data.prompts import REDO_INSTRUCTIONS
+
+    greedy = ["sampling.temperature=0.0"]
+    plain = harvest(tmp_path / "plain", model_dir, *greedy)
+    answer = harvest(tmp_path / "answer", model_dir, *greedy, "redumix.instruction=answer")
+    sampled = harvest(tmp_path / "sampled", model_dir, *greedy, "redumix.instruction=answer",
+                      "redumix.redo_temperature=1.0")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = lambda ids: tokenizer.decode(ids).replace(" ", "")  # noqa: E731 (the test tokenizer has no spaces)
+    for a, b, c in zip(plain, answer, sampled, strict=True):
+        assert (a["id"], a["original"], a["reflection"]) == (b["id"], b["original"], b["reflection"])
+        assert text(a["x2_token_ids"]).endswith(REDO_INSTRUCTIONS["redo"].replace(" ", "") + "<|end|><|assistant|>")
+        assert text(b["x2_token_ids"]).endswith(REDO_INSTRUCTIONS["answer"].replace(" ", "") + "<|end|><|assistant|>")
+        assert (c["original"], c["x2_token_ids"]) == (b["original"], b["x2_token_ids"])
+    assert any(b["redo"] != c["redo"] for b, c in zip(answer, sampled, strict=True))  # the redo alone is drawn
+    settings = json.loads((tmp_path / "sampled" / "harvest" / "fingerprint.json").read_text())["settings"]
+    assert settings["redumix"]["instruction"] == "answer" and settings["redumix"]["redo_temperature"] == 1.0

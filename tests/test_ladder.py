@@ -49,11 +49,11 @@ def test_ladder_resumes_and_refuses_other_settings(tmp_path):
     again = {r["id"]: r for r in _records(tmp_path)}
     assert [again[r["id"]]["arms"] for r in whole] == [r["arms"] for r in whole]
     with pytest.raises(ValueError, match=r"ladder\.redo_temperature"):
-        run_ladder(load_config("tiny", [*SMALL, "ladder.redo_temperature=0.7"]), RunDir(tmp_path))
+        run_ladder(load_config("tiny", [*SMALL, "redumix.redo_temperature=0.7"]), RunDir(tmp_path))
 
 
 def test_sampled_resample_is_a_second_draw(tmp_path):
-    config = load_config("tiny", [*SMALL, "ladder.redo_temperature=1.0", "ladder.self_critique=false"])
+    config = load_config("tiny", [*SMALL, "redumix.redo_temperature=1.0", "ladder.self_critique=false"])
     run_ladder(config, RunDir(tmp_path))
     records = _records(tmp_path)
     assert set(records[0]["arms"]) == {RESAMPLE, "verifier@0.5", "verifier@0"}
@@ -62,7 +62,7 @@ def test_sampled_resample_is_a_second_draw(tmp_path):
 
 
 def test_more_resamples_add_to_the_records_and_pair_at_equal_samples(tmp_path):
-    sampled = [*SMALL, "ladder.redo_temperature=1.0", "ladder.self_critique=false", "ladder.lams=[0.0]"]
+    sampled = [*SMALL, "redumix.redo_temperature=1.0", "ladder.self_critique=false", "ladder.lams=[0.0]"]
     run_ladder(load_config("tiny", sampled), RunDir(tmp_path / "one"))
     first = _records(tmp_path / "one")
     run_ladder(load_config("tiny", [*sampled, "ladder.resamples=3"]), RunDir(tmp_path / "one"))  # adds to the records
@@ -81,7 +81,7 @@ def test_more_resamples_add_to_the_records_and_pair_at_equal_samples(tmp_path):
     assert pair["fixed"] == sum(r["arms"]["verifier@0"]["correct"] or r["arms"][RESAMPLE]["correct"] for r in wrong)
     assert summary["best_of_resamples_fixed"][0] == summary["arms"][RESAMPLE]["fixed"]
     assert "| verifier@0+resample |" in (tmp_path / "one" / "ladder" / "ladder.md").read_text()
-    with pytest.raises(ValueError, match="resamples=2 needs redo_temperature > 0"):
+    with pytest.raises(ValueError, match="resamples=2 needs redumix.redo_temperature > 0"):
         load_config("tiny", [*SMALL, "ladder.resamples=2"])
 
 
@@ -125,13 +125,12 @@ def test_every_redo_instruction_the_config_accepts_has_its_text():
     import dataclasses
     import typing
 
-    from redumix.data.prompts import redo_messages
-    from redumix.pipeline.config import LadderConfig
-    from redumix.pipeline.ladder import INSTRUCTIONS
+    from redumix.data.prompts import REDO_INSTRUCTIONS, redo_messages
+    from redumix.generate.redumix import RedumixConfig
 
-    [field] = [f for f in dataclasses.fields(LadderConfig) if f.name == "instruction"]
-    hints = typing.get_type_hints(LadderConfig)
-    assert set(typing.get_args(hints["instruction"])) == set(INSTRUCTIONS)
-    assert field.default in INSTRUCTIONS
-    turn = redo_messages("Write a note.", "A note.", "Too long.", "Shorter.", INSTRUCTIONS["answer"])[-1]
-    assert turn == {"role": "user", "content": INSTRUCTIONS["answer"]}
+    [field] = [f for f in dataclasses.fields(RedumixConfig) if f.name == "instruction"]
+    hints = typing.get_type_hints(RedumixConfig)
+    assert set(typing.get_args(hints["instruction"])) == set(REDO_INSTRUCTIONS)
+    assert field.default in REDO_INSTRUCTIONS
+    turn = redo_messages("Write a note.", "A note.", "Too long.", "Shorter.", REDO_INSTRUCTIONS["answer"])[-1]
+    assert turn == {"role": "user", "content": REDO_INSTRUCTIONS["answer"]}
