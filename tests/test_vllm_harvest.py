@@ -207,3 +207,17 @@ def test_eval_refuses_a_tensor_parallel_engine(tmp_path, model_dir):
                 "eval.engine=vllm", "vllm.tensor_parallel_size=2"]
     with pytest.raises(ValueError, match=r"eval.engine=vllm takes vllm.tensor_parallel_size=1"):
         run_eval(load_config(ROOT / "recipes" / "tiny.yaml", settings), RunDir(tmp_path))
+
+
+def test_vllm_harvest_decodes_the_recipes_redo_levers_as_hf_does(tmp_path, model_dir):
+    """The protocol a recipe freezes (a greedy attempt, the `answer` redo turn, the redo drawn at its own
+    temperature) gives the same rows on either engine."""
+    from tests.conftest import rows_differ
+
+    levers = ["sampling.temperature=0.0", "redumix.instruction=answer", "redumix.redo_temperature=1.0"]
+    hf_rows, _ = _harvest(tmp_path / "hf", model_dir, *levers)
+    vllm_rows, _ = _harvest(tmp_path / "vllm", model_dir, "harvest.engine=vllm", *levers)
+    assert rows_differ(vllm_rows, hf_rows) == []
+    greedy_rows, _ = _harvest(tmp_path / "greedy", model_dir, *levers[:2])
+    assert [r["original"] for r in greedy_rows] == [r["original"] for r in hf_rows]
+    assert any(g["redo"] != r["redo"] for g, r in zip(greedy_rows, hf_rows, strict=True))
