@@ -144,6 +144,13 @@ class VllmEngine:
                  trust_remote_code: bool = False, key: str = "harvest.engine") -> None:
         on_cpu = not device.startswith("cuda")
         check_engine_model(path, key, on_cpu)
+        # `model.dtype: auto` as the Hugging Face path reads it (bf16 where the hardware computes it), not vLLM's
+        # own 'auto' (the checkpoint's dtype), so that one recipe decodes in one dtype on either engine.
+        import torch
+
+        from redumix.generate.model_io import DTYPES, resolve_dtype
+
+        dtype = {v: k for k, v in DTYPES.items()}[resolve_dtype(dtype, torch.device(device))]
         # The pair mixer's ledger is shared with this process, so the engine core must run in it.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # The pair mixer fills the V1 model runner's logits-processor interface. On a GPU vLLM defaults to Model

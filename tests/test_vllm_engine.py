@@ -174,3 +174,12 @@ def test_model_runner_v2_is_refused_naming_the_variable(llama_case, monkeypatch)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises(ValueError, match="unset VLLM_USE_V2_MODEL_RUNNER, or set it to 0"):
         VllmEngine(llama_case.folder, VllmSettings(max_num_seqs=16, kv_cache_gib=1), "float32", seed=0)
+
+
+def test_auto_dtype_is_the_one_the_hugging_face_path_picks(llama_case):
+    """`model.dtype: auto` is bf16 where the CPU computes it, float32 elsewhere, on either engine; vLLM's own 'auto'
+    would take the checkpoint's float32 and decode one recipe in another dtype than the Hugging Face harvest."""
+    from redumix.generate.model_io import resolve_dtype
+
+    engine = VllmEngine(llama_case.folder, VllmSettings(max_num_seqs=16, kv_cache_gib=1), "auto", seed=0)
+    assert engine.llm.llm_engine.model_config.dtype == resolve_dtype("auto", torch.device("cpu"))
