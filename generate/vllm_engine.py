@@ -161,6 +161,10 @@ class VllmEngine:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         if on_cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
+            # Unless OMP_NUM_THREADS is set, vLLM drops torch to one thread "for serving", leaving a front end its
+            # own core; in this process the engine is the only work, so it keeps the threads the process has
+            # (torchrun sets the variable per rank itself). Measured: docs/multiprocess-and-gpus.md.
+            os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         from vllm import LLM
 
         from redumix.generate.vllm_pairs import PairMixer
