@@ -161,10 +161,6 @@ class VllmEngine:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         if on_cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
-            # Unless OMP_NUM_THREADS is set, vLLM drops torch to one thread "for serving", leaving a front end its
-            # own core; in this process the engine is the only work, so it keeps the threads the process has
-            # (torchrun sets the variable per rank itself). Measured: docs/multiprocess-and-gpus.md.
-            os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         from vllm import LLM
 
         from redumix.generate.vllm_pairs import PairMixer
@@ -183,13 +179,24 @@ class VllmEngine:
             # core (so the pair mixer and its ledger) in this process. Building it is a collective over the ranks.
             extra.update(distributed_executor_backend="external_launcher",
                          tensor_parallel_size=settings.tensor_parallel_size)
-        self.llm = LLM(
-            model=str(path), dtype=dtype, seed=seed, skip_tokenizer_init=True, trust_remote_code=trust_remote_code,
-            logits_processors=[PairMixer], enable_prefix_caching=True, async_scheduling=False,
-            max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
-            enforce_eager=settings.enforce_eager,
-            gpu_memory_utilization=settings.gpu_memory_utilization, **extra,
-        )
+        # Unless OMP_NUM_THREADS is set, vLLM drops torch to one thread "for serving" while it builds, leaving a
+        # front end a core of its own; in this process the engine is the only work, so it keeps the threads the
+        # process has (torchrun sets the variable per rank itself). Set for the build only, so that no process this
+        # one starts later inherits it. Measured: docs/real-models.md, "The harvest's engine on a CPU".
+        threads = on_cpu and "OMP_NUM_THREADS" not in os.environ
+        if threads:
+            os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+        try:
+            self.llm = LLM(
+                model=str(path), dtype=dtype, seed=seed, skip_tokenizer_init=True,
+                trust_remote_code=trust_remote_code, logits_processors=[PairMixer], enable_prefix_caching=True,
+                async_scheduling=False, max_num_seqs=settings.max_num_seqs,
+                max_num_batched_tokens=settings.max_num_batched_tokens, enforce_eager=settings.enforce_eager,
+                gpu_memory_utilization=settings.gpu_memory_utilization, **extra,
+            )
+        finally:
+            if threads:
+                del os.environ["OMP_NUM_THREADS"]
 
     # --- plain requests: the harvest's attempt, critique and reflection; eval's single-context decoders ----------
 

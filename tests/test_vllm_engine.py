@@ -176,10 +176,14 @@ def test_model_runner_v2_is_refused_naming_the_variable(llama_case, monkeypatch)
         VllmEngine(llama_case.folder, VllmSettings(max_num_seqs=16, kv_cache_gib=1), "float32", seed=0)
 
 
-def test_auto_dtype_is_the_one_the_hugging_face_path_picks(llama_case):
+def test_auto_dtype_is_the_hugging_face_paths_and_the_threads_stay(llama_case, monkeypatch):
     """`model.dtype: auto` is bf16 where the CPU computes it, float32 elsewhere, on either engine; vLLM's own 'auto'
-    would take the checkpoint's float32 and decode one recipe in another dtype than the Hugging Face harvest."""
+    would take the checkpoint's float32 and decode one recipe in another dtype than the Hugging Face harvest. The
+    engine keeps the process's torch threads (vLLM would drop to one) and leaves OMP_NUM_THREADS as it found it."""
     from redumix.generate.model_io import resolve_dtype
 
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.set_num_threads(2)
     engine = VllmEngine(llama_case.folder, VllmSettings(max_num_seqs=16, kv_cache_gib=1), "auto", seed=0)
     assert engine.llm.llm_engine.model_config.dtype == resolve_dtype("auto", torch.device("cpu"))
+    assert torch.get_num_threads() == 2 and "OMP_NUM_THREADS" not in os.environ
