@@ -8,6 +8,7 @@ runs both after `make vllm` (.ci/run)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
