@@ -21,7 +21,7 @@ from redumix.generate.model_io import ModelConfig
 from redumix.generate.moi import MoiConfig
 from redumix.generate.pdr import PdrConfig
 from redumix.generate.policy import SamplingPolicy
-from redumix.generate.redumix import RedumixConfig
+from redumix.generate.redumix import RedumixConfig, redo_policy
 from redumix.generate.reflective import ReflectiveConfig
 from redumix.generate.speculative import SpeculativeConfig
 from redumix.generate.vllm_engine import VllmSettings
@@ -255,14 +255,9 @@ class Config:
         if self.name and not _SAFE_NAME.fullmatch(self.name):
             raise ValueError(f"name {self.name!r} must be letters, digits, '.', '_' or '-' (it names the folder "
                              "runs/<name>); use --run-dir to choose another folder")
-        if self.ladder.resamples > 1 and self.redo_temperature() == 0:
+        if self.ladder.resamples > 1 and redo_policy(self.redumix, self.sampling).greedy:
             raise ValueError(f"ladder.resamples={self.ladder.resamples} needs redumix.redo_temperature > 0: a greedy "
                              "second try is the attempt again")
-
-    def redo_temperature(self) -> float:
-        """The redo's temperature: redumix.redo_temperature, else sampling's."""
-        chosen = self.redumix.redo_temperature
-        return self.sampling.temperature if chosen is None else chosen
 
 
 def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:

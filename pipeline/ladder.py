@@ -9,8 +9,8 @@ from clones of the two contexts; with `ladder.self_critique`, the same again wit
 feedback, at `redumix.lam`. With `ladder.resamples` k > 1, k independent second tries (k attempts per problem), and
 the table sets each redo with one resample (keep the one the verifier passes) against two resamples, at equal
 samples. Records go to RUN_DIR/ladder/ after every batch (a rerun resumes, a larger `ladder.n` adds problems and a
-larger `ladder.resamples` samples); the table, with paired intervals, to ladder.md and summary.json. docs/real-
-models.md holds the ladder over real models that this measures.
+larger `ladder.resamples` samples); the table, with paired intervals, to ladder.md and summary.json.
+docs/real-models.md holds the ladder over real models that this measures.
 """
 
 from __future__ import annotations
@@ -273,7 +273,8 @@ def _settings(config: Config) -> dict:
     # The redo's instruction and temperature were ladder keys before the harvest took them: they are kept where
     # earlier run folders have them, so that those resume.
     redumix = {k: v for k, v in asdict(config.redumix).items() if k not in ("instruction", "redo_temperature")}
-    levers |= {"redo_temperature": config.redo_temperature(), "instruction": config.redumix.instruction}
+    levers |= {"redo_temperature": redo_policy(config.redumix, config.sampling).temperature,
+               "instruction": config.redumix.instruction}
     return {"seed": config.seed, "model": asdict(config.model), "task": asdict(config.task),
             "sampling": asdict(config.sampling), "redumix": redumix, "ladder": levers}
 
