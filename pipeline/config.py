@@ -199,6 +199,12 @@ class EvidenceConfig:
                   "this (the tiny recipe trains on up to 20); why 30: docs/measurements.md, 'The held-out variant'."},
     )
     drift_n: int = field(default=200, metadata={"help": "Test prompts on which KL(tuned ‖ base) is measured."})
+    rft_samples: int = field(
+        default=0,
+        metadata={"help": "The `rft` arm's samples per problem: the starting model's k independent samples from x "
+                  "alone at the redo's temperature (the ladder's resamples), of which it learns the right ones with "
+                  "the right attempt (pipeline/rft.py). 0: the right attempts alone."},
+    )
     general_path: str | None = field(
         default=None,
         metadata={"help": "A JSONL file of 'question'/'answer' objects outside the task (GSM8K's test.jsonl, say) for "
@@ -213,6 +219,8 @@ class EvidenceConfig:
             problems.append(f"unknown arms {unknown}; known: {', '.join(ARMS)}")
         if not self.seeds:
             problems.append("seeds must list at least one seed")
+        if self.rft_samples < 0:
+            problems.append(f"rft_samples must be >= 0, got {self.rft_samples}")
         if self.n < 1 or self.drift_n < 1 or self.variant_number_max < 2:
             problems.append("n and drift_n must be >= 1, variant_number_max >= 2")
         if problems:
@@ -258,6 +266,9 @@ class Config:
         if self.ladder.resamples > 1 and redo_policy(self.redumix, self.sampling).greedy:
             raise ValueError(f"ladder.resamples={self.ladder.resamples} needs redumix.redo_temperature > 0: a greedy "
                              "second try is the attempt again")
+        if self.evidence.rft_samples and redo_policy(self.redumix, self.sampling).greedy:
+            raise ValueError(f"evidence.rft_samples={self.evidence.rft_samples} needs redumix.redo_temperature > 0: a "
+                             "greedy sample is the attempt again")
 
 
 def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:

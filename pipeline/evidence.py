@@ -37,6 +37,7 @@ from redumix.pipeline.evidence_arms import ARMS, HARVESTS
 from redumix.pipeline.harvest import run_harvest
 from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.resolve import config_to_yaml
+from redumix.pipeline.rft import rft_harvest
 from redumix.pipeline.run import EMBEDDED, RunDir, model_path
 from redumix.pipeline.stats import mcnemar_exact_p, wilson_interval
 from redumix.pipeline.train import run_train
@@ -74,7 +75,14 @@ def arm_dir(folder: Path, arm: str, seed: int) -> RunDir:
 
 
 def harvest_for(config: Config, run: RunDir, kind: str) -> Path:
-    """The harvest an arm learns from: the recipe's own in RUN_DIR/harvest, or one with one setting changed."""
+    """The harvest an arm learns from: the recipe's own in RUN_DIR/harvest, one with one setting changed, or for
+    `rft` the recipe's own with `evidence.rft_samples` of the model's samples a problem (pipeline/rft.py)."""
+    if kind == "rft":
+        own = harvest_for(config, run, "verifier")
+        if not config.evidence.rft_samples:
+            return own
+        return rft_harvest(config, model_path(config.model.path, run).resolve(), own,
+                           run.root / "evidence" / "harvest-rft")
     if kind == "verifier":
         run_harvest(config, run)
         return run.harvest

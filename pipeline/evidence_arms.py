@@ -24,8 +24,9 @@ ARMS: dict[str, Arm] = {
     "gold": Arm("verifier", {"target": "gold"}, "SFT: the task's reference working (what a perfect teacher gives)"),
     "original": Arm("verifier", {"target": "original"},
                     "SFT: the model's own first attempts (what any fine-tune on this data gives)"),
-    "rft": Arm("verifier", {"target": "original", "rows": "original_correct"},
-               "RFT (rejection-sampling fine-tuning): SFT on the model's own right first attempts, one per problem"),
+    "rft": Arm("rft", {"target": "original", "rows": "original_correct"},
+               "RFT (rejection-sampling fine-tuning): SFT on the model's own right answers, its first attempt and "
+               "evidence.rft_samples samples a problem"),
     "feedback-self": Arm("self", {}, "p_mix from a harvest whose feedback is the model's own critique"),
     "feedback-none": Arm("none", {}, "p_mix from a harvest with no feedback at all (reflect only)"),
     "feedback-random": Arm("random", {}, "p_mix from a harvest with a coin-flip verdict, wrong half the time"),
@@ -43,6 +44,7 @@ HARVESTS: dict[str, dict[str, Any]] = {
     "self": {"feedback": "self"},
     "none": {"feedback": "none"},
     "random": {"feedback": "random"},
+    "rft": {},  # the recipe's own, with the model's right samples added (pipeline/rft.py)
 }
 
 

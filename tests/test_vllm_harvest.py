@@ -221,3 +221,20 @@ def test_vllm_harvest_decodes_the_recipes_redo_levers_as_hf_does(tmp_path, model
     greedy_rows, _ = _harvest(tmp_path / "greedy", model_dir, *levers[:2])
     assert [r["original"] for r in greedy_rows] == [r["original"] for r in hf_rows]
     assert any(g["redo"] != r["redo"] for g, r in zip(greedy_rows, hf_rows, strict=True))
+
+
+def test_the_rft_arms_samples_on_vllm_are_the_hf_samples(tmp_path, model_dir):
+    """`evidence.rft_samples` draws on `harvest.engine`; either engine gives the same graded samples."""
+    from redumix.data.tasks import make_task
+    from redumix.pipeline.rft import draw_samples
+
+    settings = [f"model.path={model_dir}", *SMALL, "sampling.temperature=0.0", "redumix.redo_temperature=1.0",
+                "evidence.rft_samples=2"]
+    samples = {}
+    for engine in ("hf", "vllm"):
+        config = load_config(ROOT / "recipes" / "tiny.yaml", [*settings, f"harvest.engine={engine}"])
+        rows = [{"id": e.id, "prompt": e.prompt} for e in make_task(config.task, config.seed).examples("train", 4)]
+        samples[engine] = draw_samples(config, model_dir, rows, tmp_path / engine)
+    assert samples["vllm"] == samples["hf"]
+    assert len(samples["hf"]) == 4 and all(set(s) == {"resample", "resample2"} for s in samples["hf"].values())
+    assert any(s["resample"]["text"] != s["resample2"]["text"] for s in samples["hf"].values())

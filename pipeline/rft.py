@@ -1,0 +1,167 @@
+"""The `rft` evidence arm's rows: the starting model's own right answers, k samples per problem (rejection sampling).
+
+RFT (rejection-sampling fine-tuning, arXiv:2308.01825) is SFT on a model's own samples that a verifier passes: the
+baseline a user tries first. With `evidence.rft_samples` k > 0, the starting model draws k independent samples per
+harvested problem from x alone at the redo's temperature. They are the ladder's resamples, with the same seeds, so
+the same texts (pipeline/ladder.py). The verifier keeps the right ones, and the harvest's attempt where it is right.
+Each distinct kept text is one row: the harvest row with `original` set to it, so the arm trains as every
+hard-label arm does (`train.target=original`, `train.rows=original_correct`), and a problem's rows share its id and
+so its side of the held-out split. With k = 0 the arm learns the right attempts alone, from the harvest itself.
+
+RUN_DIR/evidence/harvest-rft/ holds samples.jsonl (every sample, graded, written after each batch: a rerun goes on
+where it stopped, and a larger k adds samples) and harvest/, the rows as shards and a manifest, written once every
+sample is in. The samples are decoded on the engine that `harvest.engine` names, on rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from redumix.common.files import atomic_write_bytes, atomic_write_json, atomic_write_jsonl, read_json, read_jsonl
+from redumix.common.ranks import barrier, print0, rank
+from redumix.data.chat import template_pieces
+from redumix.data.prompts import attempt_messages
+from redumix.data.shards import bad_shards, encode_shard, iter_rows, shard_name, shard_paths, shard_record
+from redumix.data.tasks import make_task
+from redumix.generate.model_io import folder_stop_ids, load_model, load_tokenizer, pick_device, stop_token_ids
+from redumix.generate.plain import generate_batch
+from redumix.generate.redumix import redo_policy, stage_seeds
+from redumix.pipeline.config import Config
+from redumix.pipeline.harvest_folder import settings_differences
+from redumix.pipeline.ladder import RESAMPLE, graded, resample_names
+from redumix.pipeline.lineage import harvest_id
+
+Sampler = Callable[[list[list[int]], list[int]], list[tuple[str, int]]]  # (x ids, seeds) -> (text, tokens) each
+
+
+def rft_harvest(config: Config, model: Path, harvest: Path, folder: Path) -> Path:
+    """folder/harvest: the rows the `rft` arm learns, from `harvest`'s problems and `model`'s k samples of each."""
+    k = config.evidence.rft_samples
+    out = folder / "harvest"
+    manifest_path = out / "manifest.json"
+    source = harvest_id(harvest)
+    if manifest_path.is_file():
+        manifest = read_json(manifest_path)
+        if (manifest.get("source"), manifest.get("rft_samples")) == (source, k) and not bad_shards(
+                out, manifest["shard_files"]):
+            return out
+    if rank() == 0:
+        rows = [r for r in iter_rows(shard_paths(harvest)) if r["original_correct"] is not None]
+        samples = draw_samples(config, model, rows, folder)
+        kept = kept_rows(rows, samples, resample_names(k))
+        if not kept:
+            raise ValueError(f"evidence: no problem of {harvest} has a right answer among its attempt and "
+                             f"{k} samples, so the rft arm has nothing to learn; drop it from evidence.*_arms")
+        write_rows(out, kept, config.harvest.shard_rows, {
+            "source": source, "rft_samples": k, "problems": len(rows),
+            "problems_kept": len({r["id"] for r in kept}),
+            "rows_from_attempts": sum(r["original_correct"] for r in rows), "rows": len(kept)})
+        print0(f"evidence: rft rows in {out}: {len(kept)} right answers of {len({r['id'] for r in kept})} of "
+               f"{len(rows)} problems (the attempt and {k} samples each)")
+    barrier()
+    return out
+
+
+def draw_samples(config: Config, model: Path, rows: list[dict], folder: Path) -> dict[str, dict]:
+    """{problem id: {resample name: graded sample}} for every row, drawn where samples.jsonl lacks them."""
+    task = make_task(config.task, config.seed)
+    h = config.harvest
+    examples = {e.id: e for e in task.examples(h.split, h.skip + h.n)[h.skip :]}
+    folder.mkdir(parents=True, exist_ok=True)
+    _claim(folder / "settings.json", _settings(config))
+    path = folder / "samples.jsonl"
+    records = {r["id"]: r for _, r in read_jsonl(path)} if path.exists() else {}
+    names = resample_names(config.evidence.rft_samples)
+    todo = [r for r in rows if not set(names) <= set(records.get(r["id"], {}).get("samples", {}))]
+    if todo:
+        sample, tokenizer = _sampler(config, model)
+        bar = tqdm(total=len(todo), desc="evidence: rft samples", unit="problem")
+        for start in range(0, len(todo), config.harvest.batch_size):
+            batch = todo[start : start + config.harvest.batch_size]
+            ids = [r["id"] for r in batch]
+            x_ids = [template_pieces(tokenizer, attempt_messages(r["prompt"]))[0] for r in batch]
+            for name in names:
+                missing = [i for i, id_ in enumerate(ids) if name not in records.get(id_, {}).get("samples", {})]
+                if not missing:
+                    continue
+                # The ladder's seeds: its first resample shares the redo's, each later one has its own.
+                seeds = stage_seeds(config.seed, ids, "redo" if name == RESAMPLE else name).tolist()
+                texts = sample([x_ids[i] for i in missing], [seeds[i] for i in missing])
+                for i, text in zip(missing, texts, strict=True):
+                    record = records.setdefault(ids[i], {"id": ids[i], "samples": {}})
+                    record["samples"][name] = graded(task, text, examples[ids[i]])
+            atomic_write_jsonl(path, records.values(), ensure_ascii=False)  # a crash loses one batch
+            bar.update(len(batch))
+        bar.close()
+    return {r["id"]: records[r["id"]]["samples"] for r in rows}
+
+
+def kept_rows(rows: list[dict], samples: dict[str, dict], names: Sequence[str]) -> list[dict]:
+    """One row per distinct right answer of each problem: its right attempt first, then its right samples."""
+    kept = []
+    for row in rows:
+        texts = [row["original"]] if row["original_correct"] else []
+        texts += [samples[row["id"]][n]["text"] for n in names if samples[row["id"]][n]["correct"]]
+        kept += [row | {"original": text, "original_correct": True} for text in dict.fromkeys(texts)]
+    return kept
+
+
+def write_rows(out: Path, rows: list[dict], shard_rows: int, totals: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "manifest.json").unlink(missing_ok=True)  # the folder is complete again only when its manifest is
+    for stale in shard_paths(out):
+        stale.unlink()
+    names = []
+    for k, start in enumerate(range(0, len(rows), shard_rows)):
+        names.append(shard_name(k))
+        atomic_write_bytes(out / names[-1], encode_shard(rows[start : start + shard_rows]))
+    atomic_write_json(out / "manifest.json", totals | {
+        "shards": names, "shard_files": {name: shard_record(out / name) for name in names}})
+
+
+def _sampler(config: Config, model: Path) -> tuple[Sampler, object]:
+    """Plain sampling at the redo's temperature on the engine `harvest.engine` names; both draw the same noise."""
+    policy = redo_policy(config.redumix, config.sampling)
+    if config.harvest.engine == "vllm":
+        from redumix.generate.vllm_engine import VllmEngine
+
+        tokenizer = load_tokenizer(model, config.model.trust_remote_code)
+        stop_ids = folder_stop_ids(model, tokenizer, config.model.trust_remote_code)
+        engine = VllmEngine(model, config.vllm, config.model.dtype, config.seed, str(pick_device(config.model.device)),
+                            config.model.trust_remote_code, key="harvest.engine")
+        generate = lambda x_ids, seeds: engine.generate(x_ids, seeds, policy, stop_ids, policy.max_new_tokens)  # noqa: E731
+    else:
+        hf_model, tokenizer = load_model(model, config.model)
+        stop_ids = stop_token_ids(hf_model, tokenizer)
+
+        def generate(x_ids, seeds):
+            with torch.no_grad():
+                return generate_batch(hf_model, x_ids, policy, seeds, stop_ids, tokenizer.pad_token_id)
+
+    def sample(x_ids: list[list[int]], seeds: list[int]) -> list[tuple[str, int]]:
+        return [(tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True), len(g.token_ids))
+                for g in generate(x_ids, seeds)]
+
+    return sample, tokenizer
+
+
+def _settings(config: Config) -> dict:
+    """What fixes a sample: the model, the task, the seed and the redo's policy (not k, which only adds samples)."""
+    return {"seed": config.seed, "model": asdict(config.model), "task": asdict(config.task),
+            "policy": asdict(redo_policy(config.redumix, config.sampling))}
+
+
+def _claim(path: Path, settings: dict) -> None:
+    if path.exists():
+        changed = settings_differences(read_json(path), json.loads(json.dumps(settings)))
+        if changed:
+            raise ValueError(f"{path}: the rft samples here were drawn with other settings ({', '.join(changed)}); "
+                             f"delete {path.parent} to draw them again")
+        return
+    atomic_write_json(path, settings)
