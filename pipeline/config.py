@@ -202,8 +202,13 @@ class EvidenceConfig:
     rft_samples: int = field(
         default=0,
         metadata={"help": "The `rft` arm's samples per problem: the starting model's k independent samples from x "
-                  "alone at the redo's temperature (the ladder's resamples), of which it learns the right ones with "
-                  "the right attempt (pipeline/rft.py). 0: the right attempts alone."},
+                  "alone at rft_temperature, of which it learns the right ones with the right attempt "
+                  "(pipeline/rft.py). 0: the right attempts alone."},
+    )
+    rft_temperature: float | None = field(
+        default=None,
+        metadata={"help": "The temperature of the `rft` arm's samples; null: redumix.redo_temperature's (then they "
+                  "are the ladder's resamples)."},
     )
     general_path: str | None = field(
         default=None,
@@ -221,6 +226,8 @@ class EvidenceConfig:
             problems.append("seeds must list at least one seed")
         if self.rft_samples < 0:
             problems.append(f"rft_samples must be >= 0, got {self.rft_samples}")
+        if self.rft_temperature is not None and self.rft_temperature <= 0:
+            problems.append(f"rft_temperature must be > 0 or null, got {self.rft_temperature}")
         if self.n < 1 or self.drift_n < 1 or self.variant_number_max < 2:
             problems.append("n and drift_n must be >= 1, variant_number_max >= 2")
         if problems:
@@ -266,9 +273,11 @@ class Config:
         if self.ladder.resamples > 1 and redo_policy(self.redumix, self.sampling).greedy:
             raise ValueError(f"ladder.resamples={self.ladder.resamples} needs redumix.redo_temperature > 0: a greedy "
                              "second try is the attempt again")
-        if self.evidence.rft_samples and redo_policy(self.redumix, self.sampling).greedy:
-            raise ValueError(f"evidence.rft_samples={self.evidence.rft_samples} needs redumix.redo_temperature > 0: a "
-                             "greedy sample is the attempt again")
+        if self.evidence.rft_samples and self.evidence.rft_temperature is None and redo_policy(
+                self.redumix, self.sampling).greedy:
+            raise ValueError(f"evidence.rft_samples={self.evidence.rft_samples} samples at the redo's temperature, "
+                             "and the redo is greedy here: set evidence.rft_temperature (or redumix.redo_temperature) "
+                             "> 0")
 
 
 def load_config(recipe: str | Path | None, overrides: list[str] = ()) -> Config:

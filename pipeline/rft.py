@@ -2,11 +2,12 @@
 
 RFT (rejection-sampling fine-tuning, arXiv:2308.01825) is SFT on a model's own samples that a verifier passes: the
 baseline a user tries first. With `evidence.rft_samples` k > 0, the starting model draws k independent samples per
-harvested problem from x alone at the redo's temperature. They are the ladder's resamples, with the same seeds, so
-the same texts (pipeline/ladder.py). The verifier keeps the right ones, and the harvest's attempt where it is right.
-Each distinct kept text is one row: the harvest row with `original` set to it, so the arm trains as every
-hard-label arm does (`train.target=original`, `train.rows=original_correct`), and a problem's rows share its id and
-so its side of the held-out split. With k = 0 the arm learns the right attempts alone, from the harvest itself.
+harvested problem from x alone at `evidence.rft_temperature`. They are drawn with the ladder's seeds, so at the
+redo's temperature (the default) they are the ladder's resamples, the same texts (pipeline/ladder.py). The verifier
+keeps the right ones, and the harvest's attempt where it is right. Each distinct kept text is one row: the harvest
+row with `original` set to it, so the arm trains as every hard-label arm does (`train.target=original`,
+`train.rows=original_correct`), and a problem's rows share its id and so its side of the held-out split. With
+k = 0 the arm learns the right attempts alone, from the harvest itself.
 
 RUN_DIR/evidence/harvest-rft/ holds samples.jsonl (every sample, graded, written after each batch: a rerun goes on
 where it stopped, and a larger k adds samples) and harvest/, the rows as shards and a manifest, written once every
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from redumix.data.shards import bad_shards, encode_shard, iter_rows, shard_name,
 from redumix.data.tasks import make_task
 from redumix.generate.model_io import folder_stop_ids, load_model, load_tokenizer, pick_device, stop_token_ids
 from redumix.generate.plain import generate_batch
+from redumix.generate.policy import SamplingPolicy
 from redumix.generate.redumix import redo_policy, stage_seeds
 from redumix.pipeline.config import Config
 from redumix.pipeline.harvest_folder import settings_differences
@@ -125,9 +127,16 @@ def write_rows(out: Path, rows: list[dict], shard_rows: int, totals: dict) -> No
         "shards": names, "shard_files": {name: shard_record(out / name) for name in names}})
 
 
-def _sampler(config: Config, model: Path) -> tuple[Sampler, object]:
-    """Plain sampling at the redo's temperature on the engine `harvest.engine` names; both draw the same noise."""
+def rft_policy(config: Config) -> SamplingPolicy:
+    """The samples' policy: `sampling` at evidence.rft_temperature, by default the redo's."""
+    temperature = config.evidence.rft_temperature
     policy = redo_policy(config.redumix, config.sampling)
+    return policy if temperature is None else replace(policy, temperature=temperature)
+
+
+def _sampler(config: Config, model: Path) -> tuple[Sampler, object]:
+    """Plain sampling at `rft_policy` on the engine `harvest.engine` names; both engines draw the same noise."""
+    policy = rft_policy(config)
     if config.harvest.engine == "vllm":
         from redumix.generate.vllm_engine import VllmEngine
 
@@ -152,9 +161,9 @@ def _sampler(config: Config, model: Path) -> tuple[Sampler, object]:
 
 
 def _settings(config: Config) -> dict:
-    """What fixes a sample: the model, the task, the seed and the redo's policy (not k, which only adds samples)."""
+    """What fixes a sample: the model, the task, the seed and the policy (not k, which only adds samples)."""
     return {"seed": config.seed, "model": asdict(config.model), "task": asdict(config.task),
-            "policy": asdict(redo_policy(config.redumix, config.sampling))}
+            "policy": asdict(rft_policy(config))}
 
 
 def _claim(path: Path, settings: dict) -> None:

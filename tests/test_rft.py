@@ -14,6 +14,7 @@ from redumix.pipeline.evidence import harvest_for
 from redumix.pipeline.evidence_arms import ARMS
 from redumix.pipeline.harvest_folder import check_harvest
 from redumix.pipeline.ladder import run_ladder
+from redumix.pipeline.rft import draw_samples
 from redumix.pipeline.run import RunDir
 from redumix.train.data import filter_rows, load_harvest
 
@@ -78,7 +79,25 @@ def test_without_samples_the_arm_learns_the_harvest_and_samples_need_a_sampled_r
     run = RunDir(tmp_path)
     assert config.evidence.rft_samples == 0 and harvest_for(config, run, "rft") == run.harvest
     assert not (run.root / "evidence" / "harvest-rft").exists()
-    with pytest.raises(ValueError, match=r"rft_samples=2 needs redumix\.redo_temperature > 0"):
+    with pytest.raises(ValueError, match=r"rft_samples=2 samples at the redo's temperature.*rft_temperature"):
         load_config("tiny", ["evidence.rft_samples=2"])
+    with pytest.raises(ValueError, match="rft_temperature must be > 0 or null"):
+        load_config("tiny", ["evidence.rft_samples=2", "evidence.rft_temperature=0"])
+
+
+def test_rft_temperature_samples_a_greedy_recipe(tmp_path):
+    """A recipe whose redo is greedy samples its RFT answers at evidence.rft_temperature; its harvest is untouched."""
+    from redumix.generate.redumix import redo_policy
+    from redumix.pipeline.run import model_path
+
+    config = load_config("tiny", [*SMALL[:-1], "evidence.rft_samples=2", "evidence.rft_temperature=1.0"])
+    assert redo_policy(config.redumix, config.sampling).greedy
+    run = RunDir(tmp_path)
+    out = harvest_for(config, run, "verifier")
+    rows = list(load_harvest(out))
+    samples = draw_samples(config, model_path(config.model.path, run), rows, tmp_path / "rft")
+    texts = [[s[name]["text"] for name in ("resample", "resample2")] for s in samples.values()]
+    assert any(a != b for a, b in texts)
+    assert any(row["original"] not in pair for row, pair in zip(rows, texts, strict=True))
     with pytest.raises(ValueError, match="rft_samples must be >= 0"):
         load_config("tiny", [*SMALL, "evidence.rft_samples=-1"])
