@@ -20,9 +20,12 @@ the ledger's reach, so that is refused (`check_engine_ranks`).
 
 from __future__ import annotations
 
+import gc
+import importlib
 import itertools
 import json
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,6 +140,21 @@ class MixedRedo:
     retries: int  # times this pair was split and decoded again
 
 
+def _vllm_classes() -> tuple[type, type]:
+    """vLLM's LLM and the pair mixer, imported on a thread of their own. Importing vLLM keeps the importing stack
+    alive for good (vllm.multimodal.media.audio keeps an ImportError with its traceback), and with it the locals
+    of every caller: the first eval's Hugging Face model and engine would stay in memory while evidence trains.
+    A new thread's stack holds nothing of ours (tests/test_vllm_engine.py)."""
+    names = ["vllm.entrypoints.llm", "redumix.generate.vllm_pairs"]
+    found: list = []
+    worker = threading.Thread(target=lambda: found.extend(map(importlib.import_module, names)))
+    worker.start()
+    worker.join()
+    if len(found) < len(names):  # the import failed on the thread: raise its error here
+        found = list(map(importlib.import_module, names))
+    return found[0].LLM, found[1].PairMixer
+
+
 class VllmEngine:
     """An in-process `vllm.LLM` over a local Hugging Face folder, with the pair mixer loaded."""
 
@@ -161,10 +179,7 @@ class VllmEngine:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         if on_cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
-        from vllm import LLM
-
-        from redumix.generate.vllm_pairs import PairMixer
-
+        LLM, PairMixer = _vllm_classes()  # noqa: N806
         self.settings = settings
         self.retried_pairs = 0
         self._serial = itertools.count()
@@ -197,6 +212,14 @@ class VllmEngine:
         finally:
             if threads:
                 del os.environ["OMP_NUM_THREADS"]
+
+    def close(self) -> None:
+        """Shut the engine down and let its weights and KV cache go before the next stage of this process (evidence
+        trains after it evaluates). Dropping the last reference is not enough: vLLM keeps a finished engine alive
+        (tests/test_vllm_engine.py)."""
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
 
     # --- plain requests: the harvest's attempt, critique and reflection; eval's single-context decoders ----------
 

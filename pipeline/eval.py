@@ -167,6 +167,8 @@ def evaluate_checkpoint(
             barrier()
         by_id = {r["id"]: r for r in read_records(path) if r.get("model") == identity}
         results[name] = [by_id[e.id] for e in wanted]
+    if engine is not None:
+        engine.close()
     return results
 
 

@@ -35,7 +35,7 @@ from redumix.data.task import Example, Task
 from redumix.data.tasks import make_task
 from redumix.generate.model_io import folder_stop_ids, load_model, load_tokenizer, pick_device, stop_token_ids
 from redumix.generate.redumix import FeedbackFn, RedumixResult, redumix_generate, task_feedback
-from redumix.generate.vllm_engine import check_engine_model, check_engine_ranks
+from redumix.generate.vllm_engine import VllmEngine, check_engine_model, check_engine_ranks
 from redumix.pipeline.config import Config
 from redumix.pipeline.embedded_stage import ensure_embedded
 from redumix.pipeline.harvest_folder import (
@@ -159,7 +159,7 @@ def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Examp
     """Harvest `shards` into RUN_DIR/harvest. `writes` is False on the ranks of a tensor-parallel engine but its
     first: they decode the same rows in step with it, and one copy of each shard is written."""
     path = model_path(config.model.path, run)
-    redumix_batch = _redumix_batch(config, path)
+    redumix_batch, engine = _redumix_batch(config, path)
     size = config.harvest.shard_rows
     total = sum(len(examples[k * size : (k + 1) * size]) for k in shards)
     bar = tqdm(total=total, desc=f"harvest[rank {rank()}]", unit="ex", disable=rank() != 0 and world_size() > 1)
@@ -182,13 +182,17 @@ def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Examp
             atomic_write_bytes(run.harvest / shard_name(k), encode_shard(rows))
             log_metrics(run.metrics, "harvest", shard=k, rows=len(rows))
     bar.close()
+    if engine is not None:
+        engine.close()
 
 
-def _redumix_batch(config: Config, path: Path) -> Callable[[list[str], list[str], FeedbackFn | None], list]:
-    """ReDuMix on a batch (prompts, ids, feedback), on the engine that `harvest.engine` names. Both draw with the
-    same per-example noise, so their rows differ by float rounding only (tests/test_vllm_harvest.py)."""
+def _redumix_batch(
+    config: Config, path: Path
+) -> tuple[Callable[[list[str], list[str], FeedbackFn | None], list], VllmEngine | None]:
+    """ReDuMix on a batch (prompts, ids, feedback), on the engine that `harvest.engine` names, and the vLLM engine
+    to close after. Both draw with the same per-example noise, so their rows differ by float rounding only
+    (tests/test_vllm_harvest.py)."""
     if config.harvest.engine == "vllm":
-        from redumix.generate.vllm_engine import VllmEngine
         from redumix.generate.vllm_redumix import redumix_generate_vllm
 
         tokenizer = load_tokenizer(path, config.model.trust_remote_code)
@@ -198,12 +202,12 @@ def _redumix_batch(config: Config, path: Path) -> Callable[[list[str], list[str]
                             config.model.trust_remote_code)
         return lambda prompts, ids, feedback: redumix_generate_vllm(
             engine, tokenizer, window, prompts, ids, config.redumix, config.sampling, config.seed, stop_ids, feedback
-        )
+        ), engine
     model, tokenizer = load_model(path, config.model)
     stop_ids = stop_token_ids(model, tokenizer)
     return lambda prompts, ids, feedback: redumix_generate(
         model, tokenizer, prompts, ids, config.redumix, config.sampling, config.seed, stop_ids, feedback
-    )
+    ), None
 
 
 def feedback_fn(config: Config, task: Task, batch: list[Example]) -> FeedbackFn | None:

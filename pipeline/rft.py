@@ -34,6 +34,7 @@ from redumix.generate.model_io import folder_stop_ids, load_model, load_tokenize
 from redumix.generate.plain import generate_batch
 from redumix.generate.policy import SamplingPolicy
 from redumix.generate.redumix import redo_policy, stage_seeds
+from redumix.generate.vllm_engine import VllmEngine
 from redumix.pipeline.config import Config
 from redumix.pipeline.harvest_folder import settings_differences
 from redumix.pipeline.ladder import RESAMPLE, graded, resample_names
@@ -82,7 +83,7 @@ def draw_samples(config: Config, model: Path, rows: list[dict], folder: Path) ->
     names = resample_names(config.evidence.rft_samples)
     todo = [r for r in rows if not set(names) <= set(records.get(r["id"], {}).get("samples", {}))]
     if todo:
-        sample, tokenizer = _sampler(config, model)
+        sample, tokenizer, engine = _sampler(config, model)
         bar = tqdm(total=len(todo), desc="evidence: rft samples", unit="problem")
         for start in range(0, len(todo), config.harvest.batch_size):
             batch = todo[start : start + config.harvest.batch_size]
@@ -101,6 +102,8 @@ def draw_samples(config: Config, model: Path, rows: list[dict], folder: Path) ->
             atomic_write_jsonl(path, records.values(), ensure_ascii=False)  # a crash loses one batch
             bar.update(len(batch))
         bar.close()
+        if engine is not None:
+            engine.close()
     return {r["id"]: records[r["id"]]["samples"] for r in rows}
 
 
@@ -134,12 +137,12 @@ def rft_policy(config: Config) -> SamplingPolicy:
     return policy if temperature is None else replace(policy, temperature=temperature)
 
 
-def _sampler(config: Config, model: Path) -> tuple[Sampler, object]:
-    """Plain sampling at `rft_policy` on the engine `harvest.engine` names; both engines draw the same noise."""
+def _sampler(config: Config, model: Path) -> tuple[Sampler, object, VllmEngine | None]:
+    """Plain sampling at `rft_policy` on the engine `harvest.engine` names (both draw the same noise), its
+    tokenizer, and the vLLM engine to close after."""
     policy = rft_policy(config)
+    engine = None
     if config.harvest.engine == "vllm":
-        from redumix.generate.vllm_engine import VllmEngine
-
         tokenizer = load_tokenizer(model, config.model.trust_remote_code)
         stop_ids = folder_stop_ids(model, tokenizer, config.model.trust_remote_code)
         engine = VllmEngine(model, config.vllm, config.model.dtype, config.seed, str(pick_device(config.model.device)),
@@ -157,7 +160,7 @@ def _sampler(config: Config, model: Path) -> tuple[Sampler, object]:
         return [(tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True), len(g.token_ids))
                 for g in generate(x_ids, seeds)]
 
-    return sample, tokenizer
+    return sample, tokenizer, engine
 
 
 def _settings(config: Config) -> dict:

@@ -9,6 +9,8 @@ runs both after `make vllm` (.ci/run)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,3 +190,32 @@ def test_auto_dtype_is_the_hugging_face_paths_and_the_threads_stay(llama_case, m
     engine = VllmEngine(llama_case.folder, VllmSettings(max_num_seqs=16, kv_cache_gib=1), "auto", seed=0)
     assert engine.llm.llm_engine.model_config.dtype == resolve_dtype("auto", torch.device("cpu"))
     assert torch.get_num_threads() == 2 and "OMP_NUM_THREADS" not in os.environ
+
+
+
+def test_an_engine_keeps_no_caller_alive_and_close_lets_its_weights_go(llama_case):
+    """evidence evaluates, then trains, in one process: neither the first eval's model nor a finished engine may
+    stay in memory while the trainer runs. A fresh interpreter, so that this is vLLM's first import there."""
+    script = f"""
+import gc, weakref
+from redumix.generate.vllm_engine import VllmEngine, VllmSettings
+
+class Held:  # stands for the caller's Hugging Face model
+    pass
+
+def open_engine():
+    held = Held()
+    engine = VllmEngine({str(llama_case.folder)!r}, VllmSettings(max_num_seqs=16, kv_cache_gib=1), "float32", 0)
+    runner = engine.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    return engine, weakref.ref(held), weakref.ref(runner.model)
+
+engine, held, weights = open_engine()
+gc.collect()
+assert held() is None, "the caller's locals outlived it"
+assert weights() is not None
+engine.close()
+assert weights() is None, "the closed engine's weights are still held"
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
