@@ -117,9 +117,12 @@ def text_nll(model, tokenizer, texts: Sequence[str], batch: int = 16) -> float:
 def drift_measures(
     config: Config, tuned_path: Path, base_path: Path, task_records: list[dict],
     general: GeneralSet | None = None, general_answers: list[list[int]] | None = None,
+    base_text_nll: float | None = None,
 ) -> dict[str, float | int]:
     """Every drift measure of a tuned model from its base: on the task (its own greedy answers in `task_records`)
-    and, with a general set and the base's answers to its questions, outside the task and on general text."""
+    and, with a general set and the base's answers to its questions, outside the task and on general text.
+    `base_text_nll`: the base's loss on the general texts where an earlier arm measured it (the same for every arm;
+    on a 1.5B model on a CPU, minutes a time)."""
     tuned, tokenizer = load_model(tuned_path, config.model)
     base, _ = load_model(base_path, config.model)
     xs, ys = task_answers(tokenizer, task_records)
@@ -130,7 +133,8 @@ def drift_measures(
         result["kl_offtask"] = kl_per_token(tuned, base, questions, general_answers, tokenizer.pad_token_id)
         result["offtask_prompts"] = len(questions)
         result["text_nll"] = text_nll(tuned, tokenizer, general.texts)
-        result["text_nll_base"] = text_nll(base, tokenizer, general.texts)
+        result["text_nll_base"] = base_text_nll if base_text_nll is not None else text_nll(base, tokenizer,
+                                                                                            general.texts)
         result["texts"] = len(general.texts)
     return result
 

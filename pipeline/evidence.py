@@ -137,10 +137,14 @@ def eval_greedy_and_drift(
     drift = read_json(here.root / "drift.json") if (here.root / "drift.json").is_file() else {}
     if "kl_tuned_base" not in drift or (general is not None and "kl_offtask" not in drift):
         records = greedy_records(here, checkpoint)[: ev.drift_n]
-        answers = None if general is None else saved_answers(RunDir(here.root.parents[1] / "base"),
-                                                             general.questions)
-        atomic_write_json(here.root / "drift.json",
-                          drift_measures(config, model, base, records, general, answers))
+        base_folder = here.root.parents[1] / "base"
+        answers = None if general is None else saved_answers(RunDir(base_folder), general.questions)
+        base_nll = None if general is None else saved_text_nll(base_folder, general.texts)
+        drift = drift_measures(config, model, base, records, general, answers, base_nll)
+        atomic_write_json(here.root / "drift.json", drift)
+        if general is not None and base_nll is None:
+            atomic_write_json(base_folder / "text_nll.json", {"texts": general.texts,
+                                                               "text_nll": drift["text_nll_base"]})
 
 
 def saved_answers(here: RunDir, questions: list[str]) -> list[list[int]] | None:
@@ -153,6 +157,14 @@ def saved_answers(here: RunDir, questions: list[str]) -> list[list[int]] | None:
     if saved["questions"][: len(questions)] != questions:
         return None
     return saved["answer_ids"][: len(questions)]
+
+
+def saved_text_nll(base_folder: Path, texts: list[str]) -> float | None:
+    """The base's loss on exactly these general texts, where an earlier arm measured it."""
+    path = base_folder / "text_nll.json"
+    if not path.is_file() or (saved := read_json(path))["texts"] != texts:
+        return None
+    return float(saved["text_nll"])
 
 
 def greedy_records(here: RunDir, checkpoint: str) -> list[dict]:

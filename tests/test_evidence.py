@@ -55,6 +55,12 @@ def test_every_arm_trains_the_same_steps_is_measured_and_summarised(tmp_path, ti
     answers = json.loads((folder / "base" / "general_answers.json").read_text())
     assert len(answers["questions"]) == len(answers["answer_ids"]) == 3
     assert summary["general"]["prompts"] == summary["general"]["texts"] == 3
+    # The base's loss on the texts is measured once, by the first arm, and read by the others.
+    base_nll = json.loads((folder / "base" / "text_nll.json").read_text())
+    assert len(base_nll["texts"]) == 3 and base_nll["text_nll"] == summary["general"]["base_text_nll"]
+    drifts = [json.loads((arm_dir(folder, a, s).root / "drift.json").read_text()) for a, s in
+              [("mixture", 0), ("redo", 1), ("on-policy", 0)]]
+    assert {d["text_nll_base"] for d in drifts} == {base_nll["text_nll"]}
     assert "KL(tuned ‖ base), off task" in evidence_markdown(summary)
     assert (folder / "evidence.md").read_text() == evidence_markdown(summary)
     assert (folder / "evidence.png").stat().st_size > 0
