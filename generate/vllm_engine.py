@@ -144,13 +144,16 @@ def _vllm_classes() -> tuple[type, type]:
     """vLLM's LLM and the pair mixer, imported on a thread of their own. Importing vLLM keeps the importing stack
     alive for good (vllm.multimodal.media.audio keeps an ImportError with its traceback), and with it the locals
     of every caller: the first eval's Hugging Face model and engine would stay in memory while evidence trains.
-    A new thread's stack holds nothing of ours (tests/test_vllm_engine.py)."""
+    A new thread's stack holds nothing of ours (tests/test_vllm_engine.py). Under torchrun the import stays on the
+    main thread: a rank that imported vLLM on another decoded nothing with its second engine
+    (tests/test_vllm_harvest.py)."""
     names = ["vllm.entrypoints.llm", "redumix.generate.vllm_pairs"]
     found: list = []
-    worker = threading.Thread(target=lambda: found.extend(map(importlib.import_module, names)))
-    worker.start()
-    worker.join()
-    if len(found) < len(names):  # the import failed on the thread: raise its error here
+    if world_size() == 1:
+        worker = threading.Thread(target=lambda: found.extend(map(importlib.import_module, names)))
+        worker.start()
+        worker.join()
+    if len(found) < len(names):  # under torchrun, or the import failed on the thread: raise its error here
         found = list(map(importlib.import_module, names))
     return found[0].LLM, found[1].PairMixer
 
@@ -214,10 +217,11 @@ class VllmEngine:
                 del os.environ["OMP_NUM_THREADS"]
 
     def close(self) -> None:
-        """Shut the engine down and let its weights and KV cache go before the next stage of this process (evidence
-        trains after it evaluates). Dropping the last reference is not enough: vLLM keeps a finished engine alive
-        (tests/test_vllm_engine.py)."""
-        self.llm.llm_engine.engine_core.shutdown()
+        """Drop the engine and collect it, so that its weights and KV cache go before the next stage of this process
+        (evidence trains after it evaluates), not whenever the collector next runs. Under torchrun the engine stays:
+        a rank whose first engine was freed decoded nothing with its next one (tests/test_vllm_harvest.py)."""
+        if world_size() > 1:
+            return
         del self.llm
         gc.collect()
 
