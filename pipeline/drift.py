@@ -133,8 +133,7 @@ def drift_measures(
         result["kl_offtask"] = kl_per_token(tuned, base, questions, general_answers, tokenizer.pad_token_id)
         result["offtask_prompts"] = len(questions)
         result["text_nll"] = text_nll(tuned, tokenizer, general.texts)
-        result["text_nll_base"] = base_text_nll if base_text_nll is not None else text_nll(base, tokenizer,
-                                                                                            general.texts)
+        result["text_nll_base"] = text_nll(base, tokenizer, general.texts) if base_text_nll is None else base_text_nll
         result["texts"] = len(general.texts)
     return result
 

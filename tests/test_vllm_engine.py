@@ -192,7 +192,6 @@ def test_auto_dtype_is_the_hugging_face_paths_and_the_threads_stay(llama_case, m
     assert torch.get_num_threads() == 2 and "OMP_NUM_THREADS" not in os.environ
 
 
-
 def test_an_engine_keeps_no_caller_alive_and_close_lets_its_weights_go(llama_case):
     """evidence evaluates, then trains, in one process: neither the first eval's model nor a finished engine may
     stay in memory while the trainer runs. A fresh interpreter, so that this is vLLM's first import there."""
