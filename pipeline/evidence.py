@@ -50,8 +50,9 @@ def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
     folder = run.root / "evidence"
     plan = [(arm, seed) for arm in ev.main_arms for seed in ev.seeds]
     plan += [(arm, ev.seeds[0]) for arm in ev.other_arms if arm not in ev.main_arms]
-    eval_greedy_and_drift(config, RunDir(folder / "base"), base, checkpoint="base")
+    eval_greedy(config, RunDir(folder / "base"), base, checkpoint="base")
     steps = 0  # every arm trains as many steps as the first one did (the mixture arm, seed 0, in the default plan)
+    trained_arms = []
     for arm, seed in plan:
         harvest = harvest_for(config, run, ARMS[arm].harvest)
         here = arm_dir(folder, arm, seed)
@@ -61,7 +62,12 @@ def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
         atomic_write_text(here.config, config_to_yaml(settings))
         trained = run_train(settings, here)
         steps = steps or trained["steps"]
-        eval_greedy_and_drift(settings, here, here.train / "merged", checkpoint="tuned", base=base)
+        eval_greedy(settings, here, here.train / "merged", checkpoint="tuned")
+        trained_arms.append((settings, here))
+    # Drift is the costliest measure (the tuned and the base model over every drift sequence: 37 minutes an arm for a
+    # 1.5B model on a CPU) and accuracy the first one asked, so every arm's accuracy is measured before any drift.
+    for settings, here in trained_arms:
+        measure_drift(settings, here, here.train / "merged", base)
     summary = summarize_evidence(config, folder, plan)
     atomic_write_json(folder / "evidence.json", summary)
     atomic_write_text(folder / "evidence.md", evidence_markdown(summary))
@@ -109,11 +115,9 @@ def arm_config(config: Config, base: Path, harvest: Path, arm: str, seed: int, s
 # --- measuring one model ----------------------------------------------------------------------------------------
 
 
-def eval_greedy_and_drift(
-    config: Config, here: RunDir, model: Path, checkpoint: str, base: Path | None = None
-) -> None:
-    """Greedy on the test split and (on arith) on the held-out variant; for a tuned model, its drift from the base.
-    For the base itself, its greedy answers to the general set's questions, which every arm's off-task KL reads."""
+def eval_greedy(config: Config, here: RunDir, model: Path, checkpoint: str) -> None:
+    """Greedy on the test split and (on arith) on the held-out variant. For the base, also its greedy answers to the
+    general set's questions, which every arm's off-task KL reads."""
     ev = config.evidence
     greedy_only = dataclasses.replace(config.eval, decoders=[BASELINE], tuned_decoders=[], n=ev.n, n_other=ev.n,
                                       checkpoints=[checkpoint])
@@ -127,24 +131,30 @@ def eval_greedy_and_drift(
                                       task=dataclasses.replace(config.task, arith=arith),
                                       eval=dataclasses.replace(greedy_only, checkpoints=["base"]))
         run_eval(variant, RunDir(here.root / "variant"))
-    general = read_general_set(Path(ev.general_path), ev.drift_n) if ev.general_path else None
-    if base is None:
-        if general is not None and saved_answers(here, general.questions) is None:
+    if checkpoint == "base" and ev.general_path:
+        general = read_general_set(Path(ev.general_path), ev.drift_n)
+        if saved_answers(here, general.questions) is None:
             answers = greedy_answers(config, model, general.questions)
             atomic_write_json(here.root / "general_answers.json", {"questions": general.questions,
                                                                     "answer_ids": answers})
-        return
+
+
+def measure_drift(config: Config, here: RunDir, model: Path, base: Path) -> None:
+    """A tuned model's drift from the base (pipeline/drift.py), once: drift.json is read back on a resumed run."""
+    ev = config.evidence
+    general = read_general_set(Path(ev.general_path), ev.drift_n) if ev.general_path else None
     drift = read_json(here.root / "drift.json") if (here.root / "drift.json").is_file() else {}
-    if "kl_tuned_base" not in drift or (general is not None and "kl_offtask" not in drift):
-        records = greedy_records(here, checkpoint)[: ev.drift_n]
-        base_folder = here.root.parents[1] / "base"
-        answers = None if general is None else saved_answers(RunDir(base_folder), general.questions)
-        base_nll = None if general is None else saved_text_nll(base_folder, general.texts)
-        drift = drift_measures(config, model, base, records, general, answers, base_nll)
-        atomic_write_json(here.root / "drift.json", drift)
-        if general is not None and base_nll is None:
-            atomic_write_json(base_folder / "text_nll.json", {"texts": general.texts,
-                                                               "text_nll": drift["text_nll_base"]})
+    if "kl_tuned_base" in drift and (general is None or "kl_offtask" in drift):
+        return
+    records = greedy_records(here, "tuned")[: ev.drift_n]
+    base_folder = here.root.parents[1] / "base"
+    answers = None if general is None else saved_answers(RunDir(base_folder), general.questions)
+    base_nll = None if general is None else saved_text_nll(base_folder, general.texts)
+    drift = drift_measures(config, model, base, records, general, answers, base_nll)
+    atomic_write_json(here.root / "drift.json", drift)
+    if general is not None and base_nll is None:
+        atomic_write_json(base_folder / "text_nll.json", {"texts": general.texts,
+                                                           "text_nll": drift["text_nll_base"]})
 
 
 def saved_answers(here: RunDir, questions: list[str]) -> list[list[int]] | None:

@@ -61,6 +61,9 @@ def test_every_arm_trains_the_same_steps_is_measured_and_summarised(tmp_path, ti
     drifts = [json.loads((arm_dir(folder, a, s).root / "drift.json").read_text()) for a, s in
               [("mixture", 0), ("redo", 1), ("on-policy", 0)]]
     assert {d["text_nll_base"] for d in drifts} == {base_nll["text_nll"]}
+    # Every arm's accuracy comes before any arm's drift, the costliest measure.
+    last_eval = max(p.stat().st_mtime_ns for p in folder.glob("*/seed-*/eval/generations/*"))
+    assert last_eval < min(p.stat().st_mtime_ns for p in folder.glob("*/seed-*/drift.json"))
     assert "KL(tuned ‖ base), off task" in evidence_markdown(summary)
     assert (folder / "evidence.md").read_text() == evidence_markdown(summary)
     assert (folder / "evidence.png").stat().st_size > 0
