@@ -107,6 +107,18 @@ def settings_differences(theirs: dict, settings: dict) -> list[str]:
             for key in sorted(ours.keys() | theirs.keys()) if theirs.get(key, missing) != ours.get(key, missing)]
 
 
+def claim_settings(path: Path, settings: dict, records: str, remedy: str) -> None:
+    """Records are resumed only under the settings that made them: store the settings at `path` the first time, and
+    refuse, naming each key that differs, when they change (`records` says what lies there, `remedy` what to do)."""
+    if path.exists():
+        changed = settings_differences(read_json(path), settings)
+        if changed:
+            raise ValueError(f"{path}: the {records} here were made with other settings ({', '.join(changed)}); "
+                             f"{remedy}")
+        return
+    atomic_write_json(path, settings)
+
+
 def _dotted(settings: dict, prefix: str = "") -> dict:
     flat = {}
     for key, value in settings.items():

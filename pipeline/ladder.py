@@ -18,12 +18,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from redumix.common.files import atomic_write_json, atomic_write_jsonl, atomic_write_text, read_json, read_jsonl
+from redumix.common.files import atomic_write_json, atomic_write_jsonl, atomic_write_text, read_jsonl
 from redumix.common.ranks import print0
 from redumix.data.chat import template_pieces
 from redumix.data.prompts import attempt_messages
@@ -36,7 +35,7 @@ from redumix.generate.redumix import redo_contexts, redo_policy, stage_seeds, ta
 from redumix.generate.state import clone
 from redumix.pipeline.config import Config
 from redumix.pipeline.embedded_stage import ensure_embedded
-from redumix.pipeline.harvest_folder import settings_differences
+from redumix.pipeline.harvest_folder import claim_settings
 from redumix.pipeline.run import RunDir, model_path
 from redumix.pipeline.stats import newcombe_paired_interval, wilson_interval
 
@@ -63,7 +62,8 @@ def run_ladder(config: Config, run: RunDir) -> None:
         raise ValueError(f"ladder: task {task.name!r} gives no train examples (ladder.skip, ladder.n)")
     out = run.root / "ladder"
     out.mkdir(parents=True, exist_ok=True)
-    _claim(out / "settings.json", _settings(config))
+    claim_settings(out / "settings.json", _settings(config), "ladder records",
+                   "use another --run-dir, or delete that folder to measure again")
     records_path = out / "records.jsonl"
     records = {r["id"]: r for _, r in read_jsonl(records_path)} if records_path.exists() else {}
     todo = [e for e in examples if e.id not in records]
@@ -277,14 +277,3 @@ def _settings(config: Config) -> dict:
                "instruction": config.redumix.instruction}
     return {"seed": config.seed, "model": asdict(config.model), "task": asdict(config.task),
             "sampling": asdict(config.sampling), "redumix": redumix, "ladder": levers}
-
-
-def _claim(path: Path, settings: dict) -> None:
-    """Records are only resumed under the settings that made them; another setting gets its own run folder."""
-    if path.exists():
-        changed = settings_differences(read_json(path), settings)
-        if changed:
-            raise ValueError(f"{path}: the ladder records here were made with other settings ({', '.join(changed)}); "
-                             "use another --run-dir, or delete that folder to measure again")
-        return
-    atomic_write_json(path, settings)

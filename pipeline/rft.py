@@ -16,7 +16,6 @@ sample is in. The samples are decoded on the engine that `harvest.engine` names,
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -36,7 +35,7 @@ from redumix.generate.policy import SamplingPolicy
 from redumix.generate.redumix import redo_policy, stage_seeds
 from redumix.generate.vllm_engine import VllmEngine
 from redumix.pipeline.config import Config
-from redumix.pipeline.harvest_folder import settings_differences
+from redumix.pipeline.harvest_folder import claim_settings
 from redumix.pipeline.ladder import RESAMPLE, graded, resample_names
 from redumix.pipeline.lineage import harvest_id
 
@@ -77,7 +76,7 @@ def draw_samples(config: Config, model: Path, rows: list[dict], folder: Path) ->
     h = config.harvest
     examples = {e.id: e for e in task.examples(h.split, h.skip + h.n)[h.skip :]}
     folder.mkdir(parents=True, exist_ok=True)
-    _claim(folder / "settings.json", _settings(config))
+    claim_settings(folder / "settings.json", _settings(config), "rft samples", f"delete {folder} to draw them again")
     path = folder / "samples.jsonl"
     records = {r["id"]: r for _, r in read_jsonl(path)} if path.exists() else {}
     names = resample_names(config.evidence.rft_samples)
@@ -167,13 +166,3 @@ def _settings(config: Config) -> dict:
     """What fixes a sample: the model, the task, the seed and the policy (not k, which only adds samples)."""
     return {"seed": config.seed, "model": asdict(config.model), "task": asdict(config.task),
             "policy": asdict(rft_policy(config))}
-
-
-def _claim(path: Path, settings: dict) -> None:
-    if path.exists():
-        changed = settings_differences(read_json(path), json.loads(json.dumps(settings)))
-        if changed:
-            raise ValueError(f"{path}: the rft samples here were drawn with other settings ({', '.join(changed)}); "
-                             f"delete {path.parent} to draw them again")
-        return
-    atomic_write_json(path, settings)

@@ -17,7 +17,7 @@ from redumix.pipeline import reference
 from redumix.pipeline.cli import QUIET_ENVIRONMENT, SECTIONS, STAGES, main
 from redumix.pipeline.config import load_config
 from redumix.pipeline.decoders import DECODERS
-from redumix.pipeline.harvest_folder import _differences
+from redumix.pipeline.harvest_folder import _differences, claim_settings
 from redumix.pipeline.resolve import config_to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,6 +138,16 @@ def test_a_refused_harvest_names_the_keys_that_differ(tmp_path):
     assert _differences(marker, ours) == "what differs: harvest.skip: \"(unset)\" -> 8, redumix.lam: 0.5 -> 0.7"
     marker.write_text(json.dumps({"fingerprint": "abc"}))  # a folder harvested before the settings were kept
     assert "predates the stored settings" in _differences(marker, ours)
+
+
+def test_records_resume_only_under_the_settings_that_made_them(tmp_path):
+    path = tmp_path / "settings.json"
+    claim_settings(path, {"seed": 0, "task": {"n": 3}}, "ladder records", "use another --run-dir")
+    claim_settings(path, {"seed": 0, "task": {"n": 3}}, "ladder records", "use another --run-dir")  # the same: fine
+    with pytest.raises(ValueError, match=r"settings.json: the ladder records here were made with other settings "
+                                         r"\(task.n: 3 -> 4\); use another --run-dir"):
+        claim_settings(path, {"seed": 0, "task": {"n": 4}}, "ladder records", "use another --run-dir")
+    assert json.loads(path.read_text()) == {"seed": 0, "task": {"n": 3}}  # the first claim stays
 
 
 def test_the_shipped_base_is_found_from_another_directory(tmp_path, monkeypatch):
