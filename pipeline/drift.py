@@ -83,11 +83,13 @@ def greedy_answers(config: Config, model_path: Path, questions: Sequence[str], b
 
 
 @torch.no_grad()
-def kl_per_token(tuned, base, xs: list[list[int]], ys: list[list[int]], pad_id: int, batch: int = 16) -> float:
+def kl_per_token(
+    tuned, base, xs: list[list[int]], ys: list[list[int]], pad_id: int, batch: int = 16, desc: str = "drift: KL"
+) -> float:
     """Mean per-token KL(tuned ‖ base) over the continuations ys after the prompts xs (rows with no tokens skipped)."""
     total, tokens = 0.0, 0
     pairs = [(x, y) for x, y in zip(xs, ys, strict=True) if y]
-    for start in range(0, len(pairs), batch):
+    for start in tqdm(range(0, len(pairs), batch), desc=desc, unit="batch"):
         chunk_x, chunk_y = zip(*pairs[start : start + batch], strict=True)
         on_tuned = context_logits(tuned, list(chunk_x), list(chunk_y), pad_id)
         on_base = context_logits(base, list(chunk_x), list(chunk_y), pad_id)
@@ -99,12 +101,12 @@ def kl_per_token(tuned, base, xs: list[list[int]], ys: list[list[int]], pad_id: 
 
 
 @torch.no_grad()
-def text_nll(model, tokenizer, texts: Sequence[str], batch: int = 16) -> float:
+def text_nll(model, tokenizer, texts: Sequence[str], batch: int = 16, desc: str = "drift: loss on the texts") -> float:
     """Mean negative log-likelihood per token of plain texts (each token after the first, given the ones before)."""
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     ids = [i for i in ids if len(i) > 1]
     total, tokens = 0.0, 0
-    for start in range(0, len(ids), batch):
+    for start in tqdm(range(0, len(ids), batch), desc=desc, unit="batch"):
         chunk = ids[start : start + batch]
         logits = context_logits(model, [i[:1] for i in chunk], [i[1:] for i in chunk], tokenizer.pad_token_id)
         for row_logits, row in zip(logits, chunk, strict=True):
@@ -126,14 +128,16 @@ def drift_measures(
     tuned, tokenizer = load_model(tuned_path, config.model)
     base, _ = load_model(base_path, config.model)
     xs, ys = task_answers(tokenizer, task_records)
-    result: dict[str, float | int] = {"kl_tuned_base": kl_per_token(tuned, base, xs, ys, tokenizer.pad_token_id),
-                                      "prompts": len(task_records)}
+    on_task = kl_per_token(tuned, base, xs, ys, tokenizer.pad_token_id, desc="drift: KL(tuned ‖ base) on its answers")
+    result: dict[str, float | int] = {"kl_tuned_base": on_task, "prompts": len(task_records)}
     if general is not None and general_answers is not None:
         questions = [prompt_ids(tokenizer, attempt_messages(q)) for q in general.questions]
-        result["kl_offtask"] = kl_per_token(tuned, base, questions, general_answers, tokenizer.pad_token_id)
+        result["kl_offtask"] = kl_per_token(tuned, base, questions, general_answers, tokenizer.pad_token_id,
+                                            desc="drift: KL(tuned ‖ base) off the task")
         result["offtask_prompts"] = len(questions)
-        result["text_nll"] = text_nll(tuned, tokenizer, general.texts)
-        result["text_nll_base"] = text_nll(base, tokenizer, general.texts) if base_text_nll is None else base_text_nll
+        result["text_nll"] = text_nll(tuned, tokenizer, general.texts, desc="drift: the tuned loss on the texts")
+        result["text_nll_base"] = (text_nll(base, tokenizer, general.texts, desc="drift: the base loss on the texts")
+                                   if base_text_nll is None else base_text_nll)
         result["texts"] = len(general.texts)
     return result
 
