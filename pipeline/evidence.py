@@ -64,8 +64,8 @@ def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
         steps = steps or trained["steps"]
         eval_greedy(settings, here, here.train / "merged", checkpoint="tuned")
         trained_arms.append((settings, here))
-    # Drift is the costliest measure (the tuned and the base model over every drift sequence: 37 minutes an arm for a
-    # 1.5B model on a CPU) and accuracy the first one asked, so every arm's accuracy is measured before any drift.
+    # Drift is the costliest measure (the tuned and the base model over every drift sequence; its cost is in
+    # docs/real-models.md) and accuracy the first one asked, so every arm's accuracy is measured before any drift.
     for settings, here in trained_arms:
         measure_drift(settings, here, here.train / "merged", base)
     summary = summarize_evidence(config, folder, plan)
