@@ -54,8 +54,37 @@ def redumix_generate_vllm(
 ) -> list[RedumixResult]:
     """`redumix_generate` on the engine: attempt, feedback, reflection, then the redo as paired requests.
     `window` is the model's max_position_embeddings (y1 is cut to fit it as the Hugging Face path cuts it)."""
-    seeds = {stage: stage_seeds(seed, example_ids, stage).tolist() for stage in ("attempt", "critique", "reflect",
-                                                                                  "redo")}
+    stages, usage = redo_stages_vllm(engine, tokenizer, window, prompts, example_ids, config, policy, seed, stop_ids,
+                                     feedback)
+    redos = engine.mix(stages.x_ids, stages.x2_ids, stage_seeds(seed, example_ids, "redo").tolist(), config.lam,
+                       config.topk, redo_policy(config, policy), stop_ids, policy.max_new_tokens)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    mode = "self" if feedback is None else config.feedback
+    results = []
+    for i, redo in enumerate(redos):
+        gen = redo.generation
+        result = redo_result(stages, i, (gen, redo.topk_ids, redo.topk_logprobs, redo.tail_logprobs), usage[i],
+                             config.lam, mode, decode, stop_ids)
+        result.meta["engine"] = {"name": "vllm", "retries": redo.retries}
+        results.append(result)
+    return results
+
+
+def redo_stages_vllm(
+    engine: VllmEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    window: int | None,
+    prompts: Sequence[str],
+    example_ids: Sequence[str],
+    config: RedumixConfig,
+    policy: SamplingPolicy,
+    seed: int,
+    stop_ids: Sequence[int],
+    feedback: FeedbackFn | None,
+) -> tuple[RedoStages, list[Usage]]:
+    """Stages 1-3 (attempt, feedback, reflection) and the redo's two prompts, x and x2, as `redo_contexts` builds
+    them on the Hugging Face path; the redo may then be decoded from them at several λ (`engine.mix`)."""
+    seeds = {stage: stage_seeds(seed, example_ids, stage).tolist() for stage in ("attempt", "critique", "reflect")}
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     usage = [Usage() for _ in prompts]
 
@@ -104,19 +133,9 @@ def redumix_generate_vllm(
     for u, ct, g, dp in zip(usage, c, reflections, redo_pieces, strict=True):
         u.prefill_tokens += len(ct) - g.cached + len(dp)
         u.fpe += len(ct) - g.cached + len(dp)
-    redos = engine.mix(x_ids, x2_ids, seeds["redo"], config.lam, config.topk, redo_policy(config, policy), stop_ids,
-                       policy.max_new_tokens)
     stages = RedoStages(x_ids, attempts, y1, y1_text, r_text, reflections, c, c_text, cut, x2_ids,
                         [len(ids) for ids in x2_ids])
-    mode = "self" if feedback is None else config.feedback
-    results = []
-    for i, redo in enumerate(redos):
-        gen = redo.generation
-        result = redo_result(stages, i, (gen, redo.topk_ids, redo.topk_logprobs, redo.tail_logprobs), usage[i],
-                             config.lam, mode, decode, stop_ids)
-        result.meta["engine"] = {"name": "vllm", "retries": redo.retries}
-        results.append(result)
-    return results
+    return stages, usage
 
 
 def _continue(

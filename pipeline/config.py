@@ -165,6 +165,12 @@ class LadderConfig:
                   "problem). From 2, the table adds, at equal samples, each redo with a resample (keep the one the "
                   "verifier passes) against two resamples; a larger count later adds samples to the records."},
     )
+    engine: Literal["hf", "vllm"] = field(
+        default="hf",
+        metadata={"help": "What decodes the ladder: 'hf', redumix's own loop, or 'vllm', every stage on an in-process "
+                  "vLLM engine with each redo as paired requests (`make vllm`; the `vllm` section). Both draw with "
+                  "the same per-problem noise; a ladder's records come from one engine."},
+    )
 
     def __post_init__(self) -> None:
         problems = [f"{name} must be >= 1" for name in ("n", "batch_size") if getattr(self, name) < 1]

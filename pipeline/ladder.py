@@ -15,12 +15,15 @@ docs/real-models.md holds the ladder over real models that this measures.
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Sequence
-from dataclasses import asdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from redumix.common.files import atomic_write_json, atomic_write_jsonl, atomic_write_text, read_jsonl
 from redumix.common.ranks import print0
@@ -29,10 +32,11 @@ from redumix.data.prompts import attempt_messages
 from redumix.data.task import Example, Task
 from redumix.data.tasks import make_task
 from redumix.generate.mixture import mixture_loop
-from redumix.generate.model_io import load_model, stop_token_ids
+from redumix.generate.model_io import folder_stop_ids, load_model, load_tokenizer, pick_device, stop_token_ids
 from redumix.generate.plain import generate_batch
-from redumix.generate.redumix import redo_contexts, redo_policy, stage_seeds, task_feedback
+from redumix.generate.redumix import FeedbackFn, RedoStages, redo_contexts, redo_policy, stage_seeds, task_feedback
 from redumix.generate.state import clone
+from redumix.generate.vllm_engine import VllmEngine
 from redumix.pipeline.config import Config
 from redumix.pipeline.embedded_stage import ensure_embedded
 from redumix.pipeline.harvest_folder import claim_settings
@@ -74,20 +78,21 @@ def run_ladder(config: Config, run: RunDir) -> None:
                + (f"; {len(more)} of them get more resamples" if more else ""))
     if todo or more:
         ensure_embedded(config, run)
-        model, tokenizer = load_model(model_path(config.model.path, run), config.model)
-        stop_ids = stop_token_ids(model, tokenizer)
+        path = model_path(config.model.path, run)
+        decoding = vllm_decoding(config, path) if ladder.engine == "vllm" else hf_decoding(config, path)
         for work, desc in ((todo, "ladder"), (more, "ladder: more resamples")):
             bar = tqdm(total=len(work), desc=desc, unit="problem", disable=not work)
             for start in range(0, len(work), ladder.batch_size):
                 batch = work[start : start + ladder.batch_size]
                 with torch.no_grad():
                     if work is todo:
-                        records |= {r["id"]: r for r in ladder_batch(model, tokenizer, task, batch, config, stop_ids)}
+                        records |= {r["id"]: r for r in ladder_batch(decoding, task, batch, config)}
                     else:
-                        add_resamples(model, tokenizer, task, batch, [records[e.id] for e in batch], config, stop_ids)
+                        add_resamples(decoding, task, batch, [records[e.id] for e in batch], config)
                 atomic_write_jsonl(records_path, records.values(), ensure_ascii=False)  # a crash loses one batch
                 bar.update(len(batch))
             bar.close()
+        decoding.close()
     rows = [records[e.id] for e in examples]
     summary = summarize_ladder(rows, arm_names(config))
     summary["settings"] = _settings(config)
@@ -97,33 +102,93 @@ def run_ladder(config: Config, run: RunDir) -> None:
     print0(table)
 
 
-def ladder_batch(model, tokenizer, task: Task, batch: Sequence[Example], config: Config,
-                 stop_ids: Sequence[int]) -> list[dict]:
-    """One record per problem: the attempt, its feedback and reflection, and every arm's answer, graded."""
-    ladder = config.ladder
-    prompts, ids = [e.prompt for e in batch], [e.id for e in batch]
-    policy = redo_policy(config.redumix, config.sampling)
-    redo_seeds = stage_seeds(config.seed, ids, "redo")
-    decode = lambda ids_: tokenizer.decode(ids_, skip_special_tokens=True)  # noqa: E731
+Texts = list[tuple[str, int]]  # per problem: a reply's text and its token count
 
-    def redos(feedback, lams: Sequence[float]) -> tuple:
+
+@dataclass
+class LadderDecoding:
+    """The ladder's two decodes on the engine that `ladder.engine` names. `redos(prompts, ids, feedback, lams)`:
+    stages 1-3 and one redo per λ from the same two contexts; `resamples(x_ids, ids, names)`: each named second
+    try from x alone. Each draws with the per-problem noise of its stage's seeds, whichever engine decodes."""
+
+    tokenizer: PreTrainedTokenizerBase
+    redos: Callable[[list[str], list[str], FeedbackFn | None, Sequence[float]], tuple[RedoStages, dict[float, Texts]]]
+    resamples: Callable[[list[list[int]], list[str], Sequence[str]], dict[str, Texts]]
+    close: Callable[[], None]
+
+
+def hf_decoding(config: Config, path: Path) -> LadderDecoding:
+    """redumix's own loop: the redo at each λ from clones of the two caches that stages 1-3 left."""
+    model, tokenizer = load_model(path, config.model)
+    stop_ids = stop_token_ids(model, tokenizer)
+    policy = redo_policy(config.redumix, config.sampling)
+    texts = lambda gens: [(tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True),  # noqa: E731
+                           len(g.token_ids)) for g in gens]
+
+    def redos(prompts, ids, feedback, lams):
         stages, x_context, x2_context, _ = redo_contexts(model, tokenizer, prompts, ids, config.redumix,
                                                          config.sampling, config.seed, stop_ids, feedback)
-        texts = {}
+        seeds = stage_seeds(config.seed, ids, "redo")
+        found = {}
         for k, lam in enumerate(lams):
             last = k == len(lams) - 1  # the last λ may use up the contexts; the others decode from copies
             contexts = (x_context, x2_context) if last else (clone(x_context), clone(x2_context))
-            found = mixture_loop(model, *contexts, lam, config.redumix.topk, policy, redo_seeds, stop_ids)
-            texts[lam] = [(decode(g.content_ids(stop_ids)), len(g.token_ids)) for g, *_ in found]
-        return stages, texts
+            found[lam] = texts(g for g, *_ in mixture_loop(model, *contexts, lam, config.redumix.topk, policy, seeds,
+                                                           stop_ids))
+        return stages, found
 
-    stages, verifier = redos(task_feedback("verifier", task, batch, config.seed), ladder.lams)
-    if policy.greedy:  # a second greedy try is the attempt itself
+    def resamples(x_ids, ids, names):
+        return {name: texts(generate_batch(model, x_ids, policy, _resample_seeds(config, ids, name), stop_ids,
+                                           tokenizer.pad_token_id)) for name in names}
+
+    return LadderDecoding(tokenizer, redos, resamples, lambda: None)
+
+
+def vllm_decoding(config: Config, path: Path) -> LadderDecoding:
+    """vLLM's engine: stages 1-3 as requests, then the redo at each λ as paired requests over the same x and x2
+    (the prefix cache holds them after the first λ)."""
+    from redumix.generate.vllm_redumix import redo_stages_vllm
+
+    tokenizer = load_tokenizer(path, config.model.trust_remote_code)
+    stop_ids = folder_stop_ids(path, tokenizer, config.model.trust_remote_code)
+    window = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+    engine = VllmEngine(path, config.vllm, config.model.dtype, config.seed, str(pick_device(config.model.device)),
+                        config.model.trust_remote_code, key="ladder.engine")
+    policy = redo_policy(config.redumix, config.sampling)
+    texts = lambda gens: [(tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True),  # noqa: E731
+                           len(g.token_ids)) for g in gens]
+
+    def redos(prompts, ids, feedback, lams):
+        stages, _ = redo_stages_vllm(engine, tokenizer, window, prompts, ids, config.redumix, config.sampling,
+                                     config.seed, stop_ids, feedback)
+        seeds = stage_seeds(config.seed, ids, "redo").tolist()
+        return stages, {lam: texts(r.generation for r in engine.mix(
+            stages.x_ids, stages.x2_ids, seeds, lam, config.redumix.topk, policy, stop_ids, policy.max_new_tokens))
+            for lam in lams}
+
+    def resamples(x_ids, ids, names):
+        return {name: texts(engine.generate(x_ids, _resample_seeds(config, ids, name), policy, stop_ids,
+                                            policy.max_new_tokens)) for name in names}
+
+    return LadderDecoding(tokenizer, redos, resamples, engine.close)
+
+
+def _resample_seeds(config: Config, ids: Sequence[str], name: str) -> list[int]:
+    """The first resample shares the redo's per-problem seeds; each later one has its own, so that a resample is the
+    same whatever else runs with it."""
+    return stage_seeds(config.seed, ids, "redo" if name == RESAMPLE else name).tolist()
+
+
+def ladder_batch(decoding: LadderDecoding, task: Task, batch: Sequence[Example], config: Config) -> list[dict]:
+    """One record per problem: the attempt, its feedback and reflection, and every arm's answer, graded."""
+    ladder = config.ladder
+    prompts, ids = [e.prompt for e in batch], [e.id for e in batch]
+    stages, verifier = decoding.redos(prompts, ids, task_feedback("verifier", task, batch, config.seed), ladder.lams)
+    if redo_policy(config.redumix, config.sampling).greedy:  # a second greedy try is the attempt itself
         resamples = {RESAMPLE: [(t, len(a.token_ids)) for t, a in zip(stages.y1_text, stages.attempts, strict=True)]}
     else:
-        resamples = resample_texts(model, tokenizer, stages.x_ids, ids, resample_names(ladder.resamples), config,
-                                   stop_ids)
-    critique = redos(None, [config.redumix.lam]) if ladder.self_critique else None
+        resamples = decoding.resamples(stages.x_ids, ids, resample_names(ladder.resamples))
+    critique = decoding.redos(prompts, ids, None, [config.redumix.lam]) if ladder.self_critique else None
 
     records = []
     for i, example in enumerate(batch):
@@ -140,26 +205,12 @@ def ladder_batch(model, tokenizer, task: Task, batch: Sequence[Example], config:
     return records
 
 
-def resample_texts(model, tokenizer, x_ids: list[list[int]], ids: Sequence[str], names: Sequence[str],
-                   config: Config, stop_ids: Sequence[int]) -> dict[str, list[tuple[str, int]]]:
-    """Each named resample of every problem, sampled from x alone at the redo's temperature. The first shares the
-    redo's per-problem seeds; each later one has its own, so a resample is the same whatever else runs with it."""
-    policy = redo_policy(config.redumix, config.sampling)
-    texts = {}
-    for name in names:
-        seeds = stage_seeds(config.seed, ids, "redo" if name == RESAMPLE else name)
-        gens = generate_batch(model, x_ids, policy, seeds.tolist(), stop_ids, tokenizer.pad_token_id)
-        texts[name] = [(tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True), len(g.token_ids))
-                       for g in gens]
-    return texts
-
-
-def add_resamples(model, tokenizer, task: Task, batch: Sequence[Example], records: Sequence[dict], config: Config,
-                  stop_ids: Sequence[int]) -> None:
+def add_resamples(decoding: LadderDecoding, task: Task, batch: Sequence[Example], records: Sequence[dict],
+                  config: Config) -> None:
     """Adds the resamples that `ladder.resamples` asks for and these records lack (in place)."""
     missing = [n for n in resample_names(config.ladder.resamples) if any(n not in r["arms"] for r in records)]
-    x_ids = [template_pieces(tokenizer, attempt_messages(e.prompt))[0] for e in batch]
-    texts = resample_texts(model, tokenizer, x_ids, [e.id for e in batch], missing, config, stop_ids)
+    x_ids = [template_pieces(decoding.tokenizer, attempt_messages(e.prompt))[0] for e in batch]
+    texts = decoding.resamples(x_ids, [e.id for e in batch], missing)
     for i, (example, record) in enumerate(zip(batch, records, strict=True)):
         record["arms"] |= {n: graded(task, texts[n][i], example) for n in missing if n not in record["arms"]}
 

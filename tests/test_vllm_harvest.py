@@ -238,3 +238,26 @@ def test_the_rft_arms_samples_on_vllm_are_the_hf_samples(tmp_path, model_dir):
     assert samples["vllm"] == samples["hf"]
     assert len(samples["hf"]) == 4 and all(set(s) == {"resample", "resample2"} for s in samples["hf"].values())
     assert any(s["resample"]["text"] != s["resample2"]["text"] for s in samples["hf"].values())
+
+
+def test_the_ladder_on_vllm_writes_the_hf_ladders_records(tmp_path, model_dir):
+    """`ladder.engine=vllm`: the same records as the Hugging Face ladder: the attempt, feedback and reflection, the
+    redo at each λ from the same two contexts, the self-critique arm and two resamples."""
+    from redumix.pipeline.ladder import run_ladder
+
+    settings = [f"model.path={model_dir}", "sampling.max_new_tokens=8", "sampling.temperature=0.0",
+                "redumix.redo_temperature=1.0", "redumix.reflection_max_tokens=8", "redumix.critique_max_tokens=8",
+                "vllm.kv_cache_gib=1", "vllm.max_num_seqs=8", "ladder.n=4", "ladder.batch_size=2",
+                "ladder.lams=[0.5,0.0]", "ladder.resamples=2"]
+    records = {}
+    for engine in ("hf", "vllm"):
+        config = load_config(ROOT / "recipes" / "tiny.yaml", [*settings, f"ladder.engine={engine}"])
+        run_ladder(config, RunDir(tmp_path / engine))
+        lines = (tmp_path / engine / "ladder" / "records.jsonl").read_text().splitlines()
+        records[engine] = [json.loads(line) for line in lines]
+    assert records["vllm"] == records["hf"]
+    arms = [r["arms"] for r in records["hf"]]
+    assert len(arms) == 4 and all(set(a) == {"resample", "resample2", "verifier@0.5", "verifier@0", "self@0.5"}
+                                  for a in arms)
+    assert any(a["verifier@0.5"]["text"] != a["verifier@0"]["text"] for a in arms)
+    assert any(a["resample"]["text"] != a["resample2"]["text"] for a in arms)
