@@ -133,27 +133,44 @@ def evaluate_checkpoint(
     config: Config, run: RunDir, task: Task, decoders: dict[str, DecoderEntry], checkpoint: str, path: Path
 ) -> dict[str, list[dict]]:
     """Every listed decoder on one checkpoint, in order; a decoder may be built from the records before it."""
-    model, tokenizer = load_model(path, config.model)
-    engine = _engine(config, path)
+    loaded: dict = {}
+
+    def model_and_engine():
+        """The model, its tokenizer and the engine, loaded when a decoder first has examples to decode: a resumed
+        eval whose records are all written loads nothing. Under torchrun every rank loads at once, since vLLM's
+        engine build is a collective over the ranks."""
+        if not loaded:
+            loaded["model"], loaded["tokenizer"] = load_model(path, config.model)
+            loaded["engine"] = _engine(config, path)
+        return loaded["model"], loaded["tokenizer"], loaded["engine"]
+
+    if world_size() > 1:
+        model_and_engine()
     weights = model_id(path)
     examples = task.examples(config.eval.split, max(config.eval.n, config.eval.n_other))
     results: dict[str, list[dict]] = {}
     for name in decoders_for(config, checkpoint):
         decoder = make_decoder(config, name, results, decoders)
-        identity = f"{weights}:{fingerprint(decoder)}:{task_fingerprint(config, task)}"
+        on_engine = config.eval.engine == "vllm" and hasattr(decoder, "on_engine")
+        if config.eval.engine == "vllm" and not on_engine:
+            print0(f"eval: {name} needs token-level control of the cache, so it runs on Hugging Face "
+                   "(eval.engine=vllm decodes greedy, sample and longhand)")
+        # The engine is part of a record's identity: the two engines' replies differ at bf16 near ties, so records
+        # of one are not resumed as the other's.
+        identity = f"{weights}:{fingerprint(decoder)}:{task_fingerprint(config, task)}" + (":vllm" * on_engine)
         count = config.eval.n if name == BASELINE else config.eval.n_other
-        path = records_path(run.eval / "generations", checkpoint, name)
+        records = records_path(run.eval / "generations", checkpoint, name)
         # Each rank scores every world_size-th example into its own part file; rank 0 gathers them in order.
         wanted = examples[:count]
         mine = wanted
         if world_size() > 1:
-            gathered = {r["id"] for r in read_records(path) if r.get("model") == identity}
+            gathered = {r["id"] for r in read_records(records) if r.get("model") == identity}
             mine = [e for e in wanted[rank() :: world_size()] if e.id not in gathered]
         score_resumable(
-            path if world_size() == 1 else rank_part(path, rank()),
+            records if world_size() == 1 else rank_part(records, rank()),
             identity,
             mine,
-            _decode(decoder, engine, model, tokenizer, task),
+            _decode(decoder, model_and_engine, task),
             lambda example, out, seconds, name=name, identity=identity: make_record(
                 example, out, task, name, checkpoint, identity, seconds
             ),
@@ -163,12 +180,12 @@ def evaluate_checkpoint(
         if world_size() > 1:
             barrier()
             if rank() == 0:
-                gather_parts(path, identity, wanted, world_size())
+                gather_parts(records, identity, wanted, world_size())
             barrier()
-        by_id = {r["id"]: r for r in read_records(path) if r.get("model") == identity}
+        by_id = {r["id"]: r for r in read_records(records) if r.get("model") == identity}
         results[name] = [by_id[e.id] for e in wanted]
-    if engine is not None:
-        engine.close()
+    if loaded.get("engine") is not None:
+        loaded["engine"].close()
     return results
 
 
@@ -186,14 +203,17 @@ def _engine(config: Config, path: Path):
                       config.model.trust_remote_code, key="eval.engine")
 
 
-def _decode(decoder, engine, model, tokenizer, task: Task):
-    """A batch's decoding: on the engine where the decoder has an `on_engine` form, else on the Hugging Face model."""
-    if engine is not None and hasattr(decoder, "on_engine"):
-        return lambda batch: decoder.on_engine(engine, model, tokenizer, batch)
-    if engine is not None:
-        print0(f"eval: {decoder.name} needs token-level control of the cache, so it runs on Hugging Face "
-               "(eval.engine=vllm decodes greedy, sample and longhand)")
-    return lambda batch: decoder(model, tokenizer, batch, task)
+def _decode(decoder, model_and_engine, task: Task):
+    """A batch's decoding: on the engine where the decoder has an `on_engine` form, else on the Hugging Face model
+    (both loaded by the first batch)."""
+
+    def decode(batch):
+        model, tokenizer, engine = model_and_engine()
+        if engine is not None and hasattr(decoder, "on_engine"):
+            return decoder.on_engine(engine, model, tokenizer, batch)
+        return decoder(model, tokenizer, batch, task)
+
+    return decode
 
 
 def rank_part(path: Path, index: int) -> Path:

@@ -66,7 +66,7 @@ def test_unknown_or_malformed_decoder_names_are_reported_together():
 
 
 @pytest.mark.skipif(not GSM8K.is_dir(), reason="shared GSM8K files not present")
-def test_eval_on_real_gsm8k_writes_parseable_reports_and_resumes(tmp_path, model_dir):
+def test_eval_on_real_gsm8k_writes_parseable_reports_and_resumes(tmp_path, model_dir, monkeypatch):
     overrides = [f"model.path={model_dir}", "task.name=gsm8k", f"task.gsm8k.path={GSM8K}", "eval.n=8",
                  "eval.n_other=4", *SMALL]
     config = load_config(ROOT / "recipes" / "tiny.yaml", overrides)
@@ -88,9 +88,11 @@ def test_eval_on_real_gsm8k_writes_parseable_reports_and_resumes(tmp_path, model
     lines = [json.loads(x) for x in generations.read_text().splitlines()]
     assert len(lines) == 8 and all("<|reflect|>" not in x["output"] for x in lines)
 
-    # A rerun of a complete eval is skipped; after losing the report it is rebuilt from the records, not redone.
+    # A rerun of a complete eval is skipped, without loading the model; after losing the report it is rebuilt from
+    # the records, not redone.
     before = generations.stat().st_mtime_ns
     (tmp_path / "eval" / "report.json").unlink()
+    monkeypatch.setattr("redumix.pipeline.eval.load_model", lambda *args: pytest.fail("the model was loaded"))
     run_eval(config, run)
     assert generations.stat().st_mtime_ns == before
     assert json.loads((tmp_path / "eval" / "report.json").read_text())["rows"] == report["rows"]
