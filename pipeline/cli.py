@@ -63,7 +63,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "eval": ("model", "embedded", "task", "sampling", *DECODER_SECTIONS, "eval", "vllm"),
     "export": (),
     "calibrate": ("model", "embedded", "task", "sampling", "reflective", "eval"),
-    "ladder": ("model", "embedded", "task", "sampling", "redumix", "ladder"),
+    "ladder": ("model", "embedded", "task", "sampling", "redumix", "ladder", "vllm"),
 }
 DEFAULT_RECIPE = "tiny"
 
