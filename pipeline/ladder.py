@@ -36,7 +36,7 @@ from redumix.generate.model_io import folder_stop_ids, load_model, load_tokenize
 from redumix.generate.plain import generate_batch
 from redumix.generate.redumix import FeedbackFn, RedoStages, redo_contexts, redo_policy, stage_seeds, task_feedback
 from redumix.generate.state import clone
-from redumix.generate.vllm_engine import VllmEngine
+from redumix.generate.vllm_engine import VllmEngine, check_engine_model
 from redumix.pipeline.config import Config
 from redumix.pipeline.embedded_stage import ensure_embedded
 from redumix.pipeline.harvest_folder import claim_settings
@@ -64,6 +64,9 @@ def run_ladder(config: Config, run: RunDir) -> None:
     examples = task.examples("train", ladder.skip + ladder.n)[ladder.skip :]
     if not examples:
         raise ValueError(f"ladder: task {task.name!r} gives no train examples (ladder.skip, ladder.n)")
+    if ladder.engine == "vllm":  # before the folder is claimed: a model vLLM cannot run is refused first
+        on_cpu = pick_device(config.model.device).type == "cpu"
+        check_engine_model(model_path(config.model.path, run), "ladder.engine", on_cpu)
     out = run.root / "ladder"
     out.mkdir(parents=True, exist_ok=True)
     claim_settings(out / "settings.json", _settings(config), "ladder records",

@@ -50,6 +50,13 @@ def test_ladder_resumes_and_refuses_other_settings(tmp_path):
     assert [again[r["id"]]["arms"] for r in whole] == [r["arms"] for r in whole]
     with pytest.raises(ValueError, match=r"ladder\.redo_temperature"):
         run_ladder(load_config("tiny", [*SMALL, "redumix.redo_temperature=0.7"]), RunDir(tmp_path))
+    # A ladder's records come from one engine; on a new folder the embedded model is refused by vLLM, naming the key
+    with pytest.raises(ValueError, match=r"ladder\.engine"):
+        run_ladder(load_config("tiny", [*SMALL, "ladder.engine=vllm"]), RunDir(tmp_path))
+    with pytest.raises(ValueError, match=r"ladder\.engine=vllm") as error:
+        run_ladder(load_config("tiny", [*SMALL, "ladder.engine=vllm"]), RunDir(tmp_path / "new"))
+    assert "make vllm" in str(error.value) or "head_dim 24" in str(error.value)
+    assert not (tmp_path / "new" / "ladder").exists()  # refused before the folder is claimed
 
 
 def test_sampled_resample_is_a_second_draw(tmp_path):
