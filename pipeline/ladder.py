@@ -19,6 +19,7 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -125,8 +126,7 @@ def hf_decoding(config: Config, path: Path) -> LadderDecoding:
     model, tokenizer = load_model(path, config.model)
     stop_ids = stop_token_ids(model, tokenizer)
     policy = redo_policy(config.redumix, config.sampling)
-    texts = lambda gens: [(tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True),  # noqa: E731
-                           len(g.token_ids)) for g in gens]
+    texts = partial(_texts, tokenizer, stop_ids)
 
     def redos(prompts, ids, feedback, lams):
         stages, x_context, x2_context, _ = redo_contexts(model, tokenizer, prompts, ids, config.redumix,
@@ -141,7 +141,7 @@ def hf_decoding(config: Config, path: Path) -> LadderDecoding:
         return stages, found
 
     def resamples(x_ids, ids, names):
-        return {name: texts(generate_batch(model, x_ids, policy, _resample_seeds(config, ids, name), stop_ids,
+        return {name: texts(generate_batch(model, x_ids, policy, resample_seeds(config, ids, name), stop_ids,
                                            tokenizer.pad_token_id)) for name in names}
 
     return LadderDecoding(tokenizer, redos, resamples, lambda: None)
@@ -158,8 +158,7 @@ def vllm_decoding(config: Config, path: Path) -> LadderDecoding:
     engine = VllmEngine(path, config.vllm, config.model.dtype, config.seed, str(pick_device(config.model.device)),
                         config.model.trust_remote_code, key="ladder.engine")
     policy = redo_policy(config.redumix, config.sampling)
-    texts = lambda gens: [(tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True),  # noqa: E731
-                           len(g.token_ids)) for g in gens]
+    texts = partial(_texts, tokenizer, stop_ids)
 
     def redos(prompts, ids, feedback, lams):
         stages, _ = redo_stages_vllm(engine, tokenizer, window, prompts, ids, config.redumix, config.sampling,
@@ -170,16 +169,20 @@ def vllm_decoding(config: Config, path: Path) -> LadderDecoding:
             for lam in lams}
 
     def resamples(x_ids, ids, names):
-        return {name: texts(engine.generate(x_ids, _resample_seeds(config, ids, name), policy, stop_ids,
+        return {name: texts(engine.generate(x_ids, resample_seeds(config, ids, name), policy, stop_ids,
                                             policy.max_new_tokens)) for name in names}
 
     return LadderDecoding(tokenizer, redos, resamples, engine.close)
 
 
-def _resample_seeds(config: Config, ids: Sequence[str], name: str) -> list[int]:
+def resample_seeds(config: Config, ids: Sequence[str], name: str) -> list[int]:
     """The first resample shares the redo's per-problem seeds; each later one has its own, so that a resample is the
-    same whatever else runs with it."""
+    same whatever else runs with it (the rft arm's samples draw these too)."""
     return stage_seeds(config.seed, ids, "redo" if name == RESAMPLE else name).tolist()
+
+
+def _texts(tokenizer: PreTrainedTokenizerBase, stop_ids: Sequence[int], gens) -> Texts:
+    return [(tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True), len(g.token_ids)) for g in gens]
 
 
 def ladder_batch(decoding: LadderDecoding, task: Task, batch: Sequence[Example], config: Config) -> list[dict]:

@@ -32,11 +32,11 @@ from redumix.data.tasks import make_task
 from redumix.generate.model_io import folder_stop_ids, load_model, load_tokenizer, pick_device, stop_token_ids
 from redumix.generate.plain import generate_batch
 from redumix.generate.policy import SamplingPolicy
-from redumix.generate.redumix import redo_policy, stage_seeds
+from redumix.generate.redumix import redo_policy
 from redumix.generate.vllm_engine import VllmEngine
 from redumix.pipeline.config import Config
 from redumix.pipeline.harvest_folder import claim_settings
-from redumix.pipeline.ladder import RESAMPLE, graded, resample_names
+from redumix.pipeline.ladder import graded, resample_names, resample_seeds
 from redumix.pipeline.lineage import harvest_id
 
 Sampler = Callable[[list[list[int]], list[int]], list[tuple[str, int]]]  # (x ids, seeds) -> (text, tokens) each
@@ -92,8 +92,7 @@ def draw_samples(config: Config, model: Path, rows: list[dict], folder: Path) ->
                 missing = [i for i, id_ in enumerate(ids) if name not in records.get(id_, {}).get("samples", {})]
                 if not missing:
                     continue
-                # The ladder's seeds: its first resample shares the redo's, each later one has its own.
-                seeds = stage_seeds(config.seed, ids, "redo" if name == RESAMPLE else name).tolist()
+                seeds = resample_seeds(config, ids, name)  # the ladder's
                 texts = sample([x_ids[i] for i in missing], [seeds[i] for i in missing])
                 for i, text in zip(missing, texts, strict=True):
                     record = records.setdefault(ids[i], {"id": ids[i], "samples": {}})
