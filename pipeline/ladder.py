@@ -65,18 +65,20 @@ def run_ladder(config: Config, run: RunDir) -> None:
     examples = task.examples("train", ladder.skip + ladder.n)[ladder.skip :]
     if not examples:
         raise ValueError(f"ladder: task {task.name!r} gives no train examples (ladder.skip, ladder.n)")
-    if ladder.engine == "vllm":  # before the folder is claimed: a model vLLM cannot run is refused first
-        on_cpu = pick_device(config.model.device).type == "cpu"
-        check_engine_model(model_path(config.model.path, run), "ladder.engine", on_cpu)
     out = run.root / "ladder"
-    out.mkdir(parents=True, exist_ok=True)
-    claim_settings(out / "settings.json", _settings(config), "ladder records",
-                   "use another --run-dir, or delete that folder to measure again")
     records_path = out / "records.jsonl"
     records = {r["id"]: r for _, r in read_jsonl(records_path)} if records_path.exists() else {}
     todo = [e for e in examples if e.id not in records]
     wanted = resample_names(ladder.resamples)
     more = [e for e in examples if e.id in records and not set(wanted) <= set(records[e.id]["arms"])]
+    # Before the folder is claimed, a model vLLM cannot run is refused; a folder with every record written is only
+    # summarized, so it needs no engine (and no vLLM installed).
+    if ladder.engine == "vllm" and (todo or more):
+        on_cpu = pick_device(config.model.device).type == "cpu"
+        check_engine_model(model_path(config.model.path, run), "ladder.engine", on_cpu)
+    out.mkdir(parents=True, exist_ok=True)
+    claim_settings(out / "settings.json", _settings(config), "ladder records",
+                   "use another --run-dir, or delete that folder to measure again")
     if len(todo) < len(examples):
         print0(f"ladder: resuming, {len(examples) - len(todo)} of {len(examples)} problems already in {records_path}"
                + (f"; {len(more)} of them get more resamples" if more else ""))

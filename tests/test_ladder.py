@@ -59,6 +59,27 @@ def test_ladder_resumes_and_refuses_other_settings(tmp_path):
     assert not (tmp_path / "new" / "ladder").exists()  # refused before the folder is claimed
 
 
+def test_a_finished_vllm_ladder_is_summarized_without_an_engine(tmp_path, monkeypatch):
+    import redumix.pipeline.ladder as ladder
+
+    run_ladder(load_config("tiny", SMALL), RunDir(tmp_path))
+    (tmp_path / "ladder" / "ladder.md").unlink()
+    settings_path = tmp_path / "ladder" / "settings.json"  # the same records, as vLLM's engine writes them
+    settings = json.loads(settings_path.read_text())
+    settings["ladder"]["engine"] = "vllm"
+    settings_path.write_text(json.dumps(settings))
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("a finished ladder folder built an engine")
+
+    monkeypatch.setattr(ladder, "check_engine_model", no_engine)
+    monkeypatch.setattr(ladder, "vllm_decoding", no_engine)
+    run_ladder(load_config("tiny", [*SMALL, "ladder.engine=vllm"]), RunDir(tmp_path))
+    assert "| verifier@0 |" in (tmp_path / "ladder" / "ladder.md").read_text()
+    with pytest.raises(AssertionError, match="built an engine"):  # one more problem is work: it needs the engine
+        run_ladder(load_config("tiny", [*SMALL, "ladder.engine=vllm", "ladder.n=7"]), RunDir(tmp_path))
+
+
 def test_sampled_resample_is_a_second_draw(tmp_path):
     config = load_config("tiny", [*SMALL, "redumix.redo_temperature=1.0", "ladder.self_critique=false"])
     run_ladder(config, RunDir(tmp_path))

@@ -119,6 +119,19 @@ def test_eval_engine_vllm_decodes_the_plain_decoders_as_hf_does(tmp_path, model_
     assert [r["output"] for r in records["vllm"]["sample"]] != [r["output"] for r in records["vllm"]["greedy"]]
 
 
+def test_the_bases_off_task_answers_on_vllm_are_the_hf_answers(model_dir):
+    """The evidence stage's off-task drift reads the base's greedy answers to the general set's questions; with
+    eval.engine=vllm they are decoded there, the same ids as on Hugging Face."""
+    from redumix.pipeline.drift import greedy_answers
+
+    questions = ["What is 2 + 3?", "Name a colour.", "Count to four.", "Why is the sky blue?", "Say hello."]
+    answers = {engine: greedy_answers(load_config(ROOT / "recipes" / "tiny.yaml", [
+        f"eval.engine={engine}", "sampling.max_new_tokens=8", "vllm.kv_cache_gib=1", "vllm.max_num_seqs=8"]),
+        model_dir, questions, batch=2) for engine in ("hf", "vllm")}
+    assert len(answers["vllm"]) == 5 and all(answers["vllm"])
+    assert answers["vllm"] == answers["hf"]
+
+
 def _torchrun_harvest(run_dir: Path, model_dir: Path, *extra: str) -> None:
     """`make harvest NPROC=2`'s command: two ranks through torchrun, each with its own in-process engine."""
     command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
