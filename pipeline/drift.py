@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -79,17 +80,18 @@ def greedy_answers(config: Config, model_path: Path, questions: Sequence[str], b
         stops = folder_stop_ids(model_path, tokenizer, config.model.trust_remote_code)
         engine = VllmEngine(model_path, config.vllm, config.model.dtype, config.seed,
                             str(pick_device(config.model.device)), config.model.trust_remote_code, key="eval.engine")
-        prompts = [prompt_ids(tokenizer, attempt_messages(q)) for q in questions]
-        gens = engine.generate(prompts, [0] * len(prompts), policy, stops, policy.max_new_tokens)
-        engine.close()
-        return [g.token_ids for g in gens]
-    model, tokenizer = load_model(model_path, config.model)
-    stops = stop_token_ids(model, tokenizer)
+        batch, close = config.vllm.max_num_seqs, engine.close
+        decode = partial(engine.generate, policy=policy, stop_ids=stops, max_tokens=policy.max_new_tokens)
+    else:
+        model, tokenizer = load_model(model_path, config.model)
+        stops = stop_token_ids(model, tokenizer)
+        close = lambda: None  # noqa: E731
+        decode = partial(generate_batch, model, policy=policy, stop_ids=stops, pad_id=tokenizer.pad_token_id)
     answers = []
     for start in tqdm(range(0, len(questions), batch), desc="drift: the base's answers off the task", unit="batch"):
         prompts = [prompt_ids(tokenizer, attempt_messages(q)) for q in questions[start : start + batch]]
-        gens = generate_batch(model, prompts, policy, [0] * len(prompts), stops, tokenizer.pad_token_id)
-        answers += [g.token_ids for g in gens]
+        answers += [g.token_ids for g in decode(prompts, seeds=[0] * len(prompts))]
+    close()
     return answers
 
 
