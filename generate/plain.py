@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
@@ -12,8 +13,17 @@ from redumix.data.prompts import attempt_messages, longhand_messages
 from redumix.data.task import Example, Task
 from redumix.generate.decoder import Decoded, Model, Tokenizer, answer_directly
 from redumix.generate.loop import Choice, ChooseFn, Generation, LoopResult, decode_loop, decode_prompts
+from redumix.generate.model_io import (
+    ModelConfig,
+    folder_stop_ids,
+    load_model,
+    load_tokenizer,
+    pick_device,
+    stop_token_ids,
+)
 from redumix.generate.policy import SamplingPolicy, policy_logprobs, sample_tokens
 from redumix.generate.state import DecodeState
+from redumix.generate.vllm_engine import VllmEngine, VllmSettings
 
 
 def plain_choice(policy: SamplingPolicy, seeds: torch.Tensor, banned_ids: Sequence[int] = ()) -> ChooseFn:
@@ -59,6 +69,38 @@ def generate_batch(
     """Plain decoding (greedy or sampled) of a batch of prompts."""
     choose = plain_choice(policy, torch.as_tensor(list(seeds)), banned_ids)
     return decode_prompts(model, prompts, choose, stop_ids, pad_id, max_new_tokens or policy.max_new_tokens)
+
+
+@dataclass
+class PlainSampler:
+    """Plain decoding of token-id prompts at one policy, on the engine a stage names: `generate(x_ids, seeds)`. Both
+    engines draw a row's noise from its seed, so what a stage writes does not depend on which one decoded it."""
+
+    tokenizer: Tokenizer
+    stop_ids: list[int]
+    generate: Callable[[list[list[int]], Sequence[int]], list[Generation]]
+    close: Callable[[], None]
+
+
+def plain_sampler(path: Path, model: ModelConfig, vllm: VllmSettings, engine: str, seed: int, policy: SamplingPolicy,
+                  key: str) -> PlainSampler:
+    """A `PlainSampler` over the checkpoint at `path`: redumix's loop on the Hugging Face model (`engine` "hf") or
+    a `VllmEngine` ("vllm"; refused where vLLM cannot run, naming `key`). Call `close` after, to free the engine."""
+    if engine == "vllm":
+        tokenizer = load_tokenizer(path, model.trust_remote_code)
+        stop_ids = folder_stop_ids(path, tokenizer, model.trust_remote_code)
+        llm = VllmEngine(path, vllm, model.dtype, seed, str(pick_device(model.device)), model.trust_remote_code,
+                         key=key)
+        return PlainSampler(tokenizer, stop_ids, lambda x_ids, seeds: llm.generate(
+            x_ids, seeds, policy, stop_ids, policy.max_new_tokens), llm.close)
+    hf_model, tokenizer = load_model(path, model)
+    stop_ids = stop_token_ids(hf_model, tokenizer)
+
+    @torch.no_grad()
+    def generate(x_ids, seeds):
+        return generate_batch(hf_model, x_ids, policy, seeds, stop_ids, tokenizer.pad_token_id)
+
+    return PlainSampler(tokenizer, stop_ids, generate, lambda: None)
 
 
 @dataclass

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,10 +23,9 @@ from tqdm import tqdm
 from redumix.common.files import read_jsonl
 from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages
-from redumix.generate.model_io import folder_stop_ids, load_model, load_tokenizer, pick_device, stop_token_ids
-from redumix.generate.plain import generate_batch
+from redumix.generate.model_io import load_model
+from redumix.generate.plain import plain_sampler
 from redumix.generate.policy import SamplingPolicy
-from redumix.generate.vllm_engine import VllmEngine
 from redumix.pipeline.config import Config
 from redumix.train.data import end_of_turn_ids
 from redumix.train.onpolicy import context_logits
@@ -70,28 +68,18 @@ def task_answers(tokenizer, records: list[dict]) -> tuple[list[list[int]], list[
     return xs, ys
 
 
-@torch.no_grad()
-def greedy_answers(config: Config, model_path: Path, questions: Sequence[str], batch: int = 16) -> list[list[int]]:
+def greedy_answers(config: Config, model_path: Path, questions: Sequence[str]) -> list[list[int]]:
     """The model's greedy answer ids to each question asked as a chat turn (the stop token kept when it stopped), on
     the engine that `eval.engine` names: the base's answers are the evaluation's longest decode outside the test."""
     policy = SamplingPolicy(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=config.sampling.max_new_tokens)
-    if config.eval.engine == "vllm":
-        tokenizer = load_tokenizer(model_path, config.model.trust_remote_code)
-        stops = folder_stop_ids(model_path, tokenizer, config.model.trust_remote_code)
-        engine = VllmEngine(model_path, config.vllm, config.model.dtype, config.seed,
-                            str(pick_device(config.model.device)), config.model.trust_remote_code, key="eval.engine")
-        batch, close = config.vllm.max_num_seqs, engine.close
-        decode = partial(engine.generate, policy=policy, stop_ids=stops, max_tokens=policy.max_new_tokens)
-    else:
-        model, tokenizer = load_model(model_path, config.model)
-        stops = stop_token_ids(model, tokenizer)
-        close = lambda: None  # noqa: E731
-        decode = partial(generate_batch, model, policy=policy, stop_ids=stops, pad_id=tokenizer.pad_token_id)
+    sampler = plain_sampler(model_path, config.model, config.vllm, config.eval.engine, config.seed, policy,
+                            key="eval.engine")
+    batch = config.vllm.max_num_seqs if config.eval.engine == "vllm" else 16
     answers = []
     for start in tqdm(range(0, len(questions), batch), desc="drift: the base's answers off the task", unit="batch"):
-        prompts = [prompt_ids(tokenizer, attempt_messages(q)) for q in questions[start : start + batch]]
-        answers += [g.token_ids for g in decode(prompts, seeds=[0] * len(prompts))]
-    close()
+        prompts = [prompt_ids(sampler.tokenizer, attempt_messages(q)) for q in questions[start : start + batch]]
+        answers += [g.token_ids for g in sampler.generate(prompts, [0] * len(prompts))]
+    sampler.close()
     return answers
 
 

@@ -16,11 +16,10 @@ sample is in. The samples are decoded on the engine that `harvest.engine` names,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from redumix.common.files import atomic_write_bytes, atomic_write_json, atomic_write_jsonl, read_json, read_jsonl
@@ -29,17 +28,13 @@ from redumix.data.chat import template_pieces
 from redumix.data.prompts import attempt_messages
 from redumix.data.shards import bad_shards, encode_shard, iter_rows, shard_name, shard_paths, shard_record
 from redumix.data.tasks import make_task
-from redumix.generate.model_io import folder_stop_ids, load_model, load_tokenizer, pick_device, stop_token_ids
-from redumix.generate.plain import generate_batch
+from redumix.generate.plain import plain_sampler
 from redumix.generate.policy import SamplingPolicy
 from redumix.generate.redumix import redo_policy
-from redumix.generate.vllm_engine import VllmEngine
 from redumix.pipeline.config import Config
 from redumix.pipeline.harvest_folder import claim_settings
 from redumix.pipeline.ladder import graded, resample_names, resample_seeds
 from redumix.pipeline.lineage import harvest_id
-
-Sampler = Callable[[list[list[int]], list[int]], list[tuple[str, int]]]  # (x ids, seeds) -> (text, tokens) each
 
 
 def rft_harvest(config: Config, model: Path, harvest: Path, folder: Path) -> Path:
@@ -82,26 +77,27 @@ def draw_samples(config: Config, model: Path, rows: list[dict], folder: Path) ->
     names = resample_names(config.evidence.rft_samples)
     todo = [r for r in rows if not set(names) <= set(records.get(r["id"], {}).get("samples", {}))]
     if todo:
-        sample, tokenizer, engine = _sampler(config, model)
+        sampler = plain_sampler(model, config.model, config.vllm, config.harvest.engine, config.seed,
+                                rft_policy(config), key="harvest.engine")
         bar = tqdm(total=len(todo), desc="evidence: rft samples", unit="problem")
         for start in range(0, len(todo), config.harvest.batch_size):
             batch = todo[start : start + config.harvest.batch_size]
             ids = [r["id"] for r in batch]
-            x_ids = [template_pieces(tokenizer, attempt_messages(r["prompt"]))[0] for r in batch]
+            x_ids = [template_pieces(sampler.tokenizer, attempt_messages(r["prompt"]))[0] for r in batch]
             for name in names:
                 missing = [i for i, id_ in enumerate(ids) if name not in records.get(id_, {}).get("samples", {})]
                 if not missing:
                     continue
                 seeds = resample_seeds(config, ids, name)  # the ladder's
-                texts = sample([x_ids[i] for i in missing], [seeds[i] for i in missing])
-                for i, text in zip(missing, texts, strict=True):
+                gens = sampler.generate([x_ids[i] for i in missing], [seeds[i] for i in missing])
+                for i, gen in zip(missing, gens, strict=True):
+                    text = sampler.tokenizer.decode(gen.content_ids(sampler.stop_ids), skip_special_tokens=True)
                     record = records.setdefault(ids[i], {"id": ids[i], "samples": {}})
-                    record["samples"][name] = graded(task, text, examples[ids[i]])
+                    record["samples"][name] = graded(task, (text, len(gen.token_ids)), examples[ids[i]])
             atomic_write_jsonl(path, records.values(), ensure_ascii=False)  # a crash loses one batch
             bar.update(len(batch))
         bar.close()
-        if engine is not None:
-            engine.close()
+        sampler.close()
     return {r["id"]: records[r["id"]]["samples"] for r in rows}
 
 
@@ -133,32 +129,6 @@ def rft_policy(config: Config) -> SamplingPolicy:
     temperature = config.evidence.rft_temperature
     policy = redo_policy(config.redumix, config.sampling)
     return policy if temperature is None else replace(policy, temperature=temperature)
-
-
-def _sampler(config: Config, model: Path) -> tuple[Sampler, object, VllmEngine | None]:
-    """Plain sampling at `rft_policy` on the engine `harvest.engine` names (both draw the same noise), its
-    tokenizer, and the vLLM engine to close after."""
-    policy = rft_policy(config)
-    engine = None
-    if config.harvest.engine == "vllm":
-        tokenizer = load_tokenizer(model, config.model.trust_remote_code)
-        stop_ids = folder_stop_ids(model, tokenizer, config.model.trust_remote_code)
-        engine = VllmEngine(model, config.vllm, config.model.dtype, config.seed, str(pick_device(config.model.device)),
-                            config.model.trust_remote_code, key="harvest.engine")
-        generate = lambda x_ids, seeds: engine.generate(x_ids, seeds, policy, stop_ids, policy.max_new_tokens)  # noqa: E731
-    else:
-        hf_model, tokenizer = load_model(model, config.model)
-        stop_ids = stop_token_ids(hf_model, tokenizer)
-
-        def generate(x_ids, seeds):
-            with torch.no_grad():
-                return generate_batch(hf_model, x_ids, policy, seeds, stop_ids, tokenizer.pad_token_id)
-
-    def sample(x_ids: list[list[int]], seeds: list[int]) -> list[tuple[str, int]]:
-        return [(tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True), len(g.token_ids))
-                for g in generate(x_ids, seeds)]
-
-    return sample, tokenizer, engine
 
 
 def _settings(config: Config) -> dict:

@@ -127,7 +127,7 @@ def test_the_bases_off_task_answers_on_vllm_are_the_hf_answers(model_dir):
     questions = ["What is 2 + 3?", "Name a colour.", "Count to four.", "Why is the sky blue?", "Say hello."]
     answers = {engine: greedy_answers(load_config(ROOT / "recipes" / "tiny.yaml", [
         f"eval.engine={engine}", "sampling.max_new_tokens=8", "vllm.kv_cache_gib=1", "vllm.max_num_seqs=8"]),
-        model_dir, questions, batch=2) for engine in ("hf", "vllm")}
+        model_dir, questions) for engine in ("hf", "vllm")}
     assert len(answers["vllm"]) == 5 and all(answers["vllm"])
     assert answers["vllm"] == answers["hf"]
 
