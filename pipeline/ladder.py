@@ -128,7 +128,7 @@ def hf_decoding(config: Config, path: Path) -> LadderDecoding:
     model, tokenizer = load_model(path, config.model)
     stop_ids = stop_token_ids(model, tokenizer)
     policy = redo_policy(config.redumix, config.sampling)
-    texts = partial(_texts, tokenizer, stop_ids)
+    texts = partial(reply_texts, tokenizer, stop_ids)
 
     def redos(prompts, ids, feedback, lams):
         stages, x_context, x2_context, _ = redo_contexts(model, tokenizer, prompts, ids, config.redumix,
@@ -160,7 +160,7 @@ def vllm_decoding(config: Config, path: Path) -> LadderDecoding:
     engine = VllmEngine(path, config.vllm, config.model.dtype, config.seed, str(pick_device(config.model.device)),
                         config.model.trust_remote_code, key="ladder.engine")
     policy = redo_policy(config.redumix, config.sampling)
-    texts = partial(_texts, tokenizer, stop_ids)
+    texts = partial(reply_texts, tokenizer, stop_ids)
 
     def redos(prompts, ids, feedback, lams):
         stages, _ = redo_stages_vllm(engine, tokenizer, window, prompts, ids, config.redumix, config.sampling,
@@ -183,7 +183,8 @@ def resample_seeds(config: Config, ids: Sequence[str], name: str) -> list[int]:
     return stage_seeds(config.seed, ids, "redo" if name == RESAMPLE else name).tolist()
 
 
-def _texts(tokenizer: PreTrainedTokenizerBase, stop_ids: Sequence[int], gens) -> Texts:
+def reply_texts(tokenizer: PreTrainedTokenizerBase, stop_ids: Sequence[int], gens) -> Texts:
+    """Each generation's reply text (up to its stop token) and its token count, as `graded` takes them."""
     return [(tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True), len(g.token_ids)) for g in gens]
 
 

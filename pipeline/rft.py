@@ -33,7 +33,7 @@ from redumix.generate.policy import SamplingPolicy
 from redumix.generate.redumix import redo_policy
 from redumix.pipeline.config import Config
 from redumix.pipeline.harvest_folder import claim_settings
-from redumix.pipeline.ladder import graded, resample_names, resample_seeds
+from redumix.pipeline.ladder import graded, reply_texts, resample_names, resample_seeds
 from redumix.pipeline.lineage import harvest_id
 
 
@@ -90,10 +90,9 @@ def draw_samples(config: Config, model: Path, rows: list[dict], folder: Path) ->
                     continue
                 seeds = resample_seeds(config, ids, name)  # the ladder's
                 gens = sampler.generate([x_ids[i] for i in missing], [seeds[i] for i in missing])
-                for i, gen in zip(missing, gens, strict=True):
-                    text = sampler.tokenizer.decode(gen.content_ids(sampler.stop_ids), skip_special_tokens=True)
+                for i, text in zip(missing, reply_texts(sampler.tokenizer, sampler.stop_ids, gens), strict=True):
                     record = records.setdefault(ids[i], {"id": ids[i], "samples": {}})
-                    record["samples"][name] = graded(task, (text, len(gen.token_ids)), examples[ids[i]])
+                    record["samples"][name] = graded(task, text, examples[ids[i]])
             atomic_write_jsonl(path, records.values(), ensure_ascii=False)  # a crash loses one batch
             bar.update(len(batch))
         bar.close()
