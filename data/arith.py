@@ -16,7 +16,6 @@ Solutions come in two procedures of different reliability:
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from collections.abc import Iterator
@@ -25,10 +24,10 @@ from typing import Literal
 
 from redumix.data import grading
 from redumix.data.grading import extract_answer
+from redumix.data.splits import bucket, distinct_problems, split_buckets
 from redumix.data.task import Example, Split
 
 Op = Literal["+", "-", "*"]
-BUCKETS = 10
 SPLIT_BUCKET = {"test": 0, "train": 1}  # every other bucket belongs to base pre-training
 LINE = re.compile(r"(\d+) ([-+*]) (\d+) = (\d+)")  # one computation, terse or long-hand
 
@@ -90,7 +89,7 @@ class Problem:
 
     @property
     def bucket(self) -> int:
-        return int.from_bytes(hashlib.sha256(self.key.encode()).digest()[:8], "big") % BUCKETS
+        return bucket(self.key)
 
     def values(self) -> list[int]:
         """The running value before the first step and after each one."""
@@ -146,28 +145,14 @@ def sample_problem(rng: random.Random, config: ArithConfig) -> Problem:
 
 def problems_in_buckets(config: ArithConfig, buckets: set[int], stream: str, seed: int) -> Iterator[Problem]:
     """An endless, seeded stream of distinct problems whose canonical form hashes into `buckets`."""
-    rng = random.Random(f"arith:{stream}:{seed}")  # str seeds hash with SHA-512: stable across processes
-    seen: set[str] = set()
-    misses = 0
-    while True:
-        problem = sample_problem(rng, config)
-        if problem.bucket in buckets and problem.key not in seen:
-            seen.add(problem.key)
-            misses = 0
-            yield problem
-            continue
-        misses += 1
-        if misses > 100_000:
-            raise ValueError(
-                f"arith: found no new {stream!r} problem in 100000 draws after {len(seen)}; the difficulty "
-                "settings (task.arith: steps_*, start_max, operand_max, factor_max) allow too few distinct problems"
-            )
+    return distinct_problems("arith", stream, seed, buckets, lambda rng: sample_problem(rng, config),
+                             lambda problem: problem.key, "the difficulty settings (task.arith: steps_*, start_max, "
+                             "operand_max, factor_max)")
 
 
 def arith_problems(config: ArithConfig, split: Split, n: int, seed: int) -> list[Problem]:
-    if split not in SPLIT_BUCKET:
-        raise ValueError(f"arith has splits 'train' and 'test', not {split!r}")
-    stream = problems_in_buckets(config, {SPLIT_BUCKET[split]}, split, seed)
+    buckets = split_buckets("arith", split, {name: {index} for name, index in SPLIT_BUCKET.items()})
+    stream = problems_in_buckets(config, set(buckets), split, seed)
     return [next(stream) for _ in range(n)]
 
 

@@ -38,9 +38,9 @@ the harvest grades only examples that have a reference, and grading reads the co
 be graded again on its own.
 
 **Splits.** A problem's canonical form is its request with its constraints sorted (their order in the prompt does
-not count). It falls into one of arith's ten buckets by a stable hash: bucket 0 is the `test` split, the other nine
-the `train` split (no base pre-trains on this task, so nothing is kept back for it). Both splits use every request;
-a problem (request and constraints) is in one split only.
+not count). It falls into one of ten buckets by a stable hash (data/splits.py, as arith's problems do): bucket 0 is
+the `test` split, the other nine the `train` split (no base pre-trains on this task, so nothing is kept back for it).
+Both splits use every request; a problem (request and constraints) is in one split only.
 
 **No contradictions.** `contradiction` names why a set of constraints could not all hold (lowercase with uppercase,
 a word to include or a phrase to write that holds a banned letter or a banned word or, under `no_commas`, a comma,
@@ -51,14 +51,12 @@ thrown away.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from redumix.data.arith import BUCKETS
 from redumix.data.constraint_checks import (
     TITLE_EXAMPLE,
     _the_words,
@@ -78,6 +76,7 @@ from redumix.data.constraint_checks import (
     has_word,
     words,
 )
+from redumix.data.splits import BUCKETS, bucket, distinct_problems, split_buckets
 from redumix.data.task import Example, Split
 
 SPLIT_BUCKETS = {"test": {0}, "train": set(range(1, BUCKETS))}
@@ -259,7 +258,7 @@ class Problem:
 
     @property
     def bucket(self) -> int:
-        return int.from_bytes(hashlib.sha256(self.key.encode()).digest()[:8], "big") % BUCKETS
+        return bucket(self.key)
 
     def text(self) -> str:
         return " ".join([self.topic, *(c.instruction() for c in self.constraints)])
@@ -303,25 +302,11 @@ def sample_problem(rng: random.Random, config: ConstraintsConfig) -> Problem:
 def problems_in_split(config: ConstraintsConfig, split: Split, seed: int) -> Iterator[Problem]:
     """An endless, seeded stream of distinct problems with no contradiction whose canonical form hashes into the
     split's buckets."""
-    if split not in SPLIT_BUCKETS:
-        raise ValueError(f"constraints has splits 'train' and 'test', not {split!r}")
-    rng = random.Random(f"constraints:{split}:{seed}")  # str seeds hash with SHA-512: stable across processes
-    seen: set[str] = set()
-    misses = 0
-    while True:
-        problem = sample_problem(rng, config)
-        if problem.bucket in SPLIT_BUCKETS[split] and problem.key not in seen and not contradiction(
-                problem.constraints):
-            seen.add(problem.key)
-            misses = 0
-            yield problem
-            continue
-        misses += 1
-        if misses > 100_000:
-            raise ValueError(
-                f"constraints: found no new {split!r} problem in 100000 draws after {len(seen)}; the settings "
-                "(task.constraints: kinds, constraints_min/max and the ranges) allow too few distinct problems"
-            )
+    buckets = split_buckets("constraints", split, SPLIT_BUCKETS)
+    return distinct_problems("constraints", split, seed, buckets, lambda rng: sample_problem(rng, config),
+                             lambda problem: problem.key, "the settings (task.constraints: kinds, "
+                             "constraints_min/max and the ranges)", keep=lambda problem: not contradiction(
+                                 problem.constraints))
 
 
 def constraint_problems(config: ConstraintsConfig, split: Split, n: int, seed: int) -> list[Problem]:

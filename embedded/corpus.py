@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from redumix.data.arith import (
-    BUCKETS,
     SPLIT_BUCKET,
     ArithConfig,
     Line,
@@ -44,6 +43,7 @@ from redumix.data.prompts import (
     redo_messages,
     refine_messages,
 )
+from redumix.data.splits import BUCKETS
 from redumix.embedded.vocab import REFLECT_CLOSE, REFLECT_OPEN
 
 

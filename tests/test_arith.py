@@ -9,7 +9,6 @@ import re
 import pytest
 
 from redumix.data.arith import (
-    BUCKETS,
     LINE,
     SPLIT_BUCKET,
     ArithConfig,
@@ -28,6 +27,7 @@ from redumix.data.arith import (
 )
 from redumix.data.grading import extract_answer, is_correct
 from redumix.data.prompts import CRITIQUE, LONGHAND, REDO, REFINE, REFLECT
+from redumix.data.splits import BUCKETS, bucket
 from redumix.data.tasks import TaskConfig, make_task
 from redumix.embedded.corpus import CorpusSpec, corpus_episodes, refine_checks, workspace_order
 from redumix.embedded.vocab import REFLECT_CLOSE, REFLECT_OPEN
@@ -79,6 +79,15 @@ def test_splits_are_disjoint_from_each_other_and_from_the_base_corpus():
     base_buckets = set(range(BUCKETS)) - set(SPLIT_BUCKET.values())
     base = {p.key for p in itertools.islice(problems_in_buckets(config, base_buckets, "base", 0), 3000)}
     assert not base & (keys["train"] | keys["test"])
+
+
+def test_the_split_stream_draws_the_same_problems_and_names_the_splits():
+    # The first test problems of seed 0, as the stream drew them before data/splits.py held it: a changed draw would
+    # move every split, the shipped model's corpus and every harvest.
+    assert [p.key for p in arith_problems(ArithConfig(), "test", 3, seed=0)] == ["3-1-1*8-4", "7+20+33", "37*4-8"]
+    assert all(p.bucket == bucket(p.key) == 0 for p in arith_problems(ArithConfig(), "test", 20, seed=3))
+    with pytest.raises(ValueError, match="arith has splits 'train' and 'test', not 'valid'"):
+        arith_problems(ArithConfig(), "valid", 1, seed=0)
 
 
 def test_difficulty_settings_are_obeyed():

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from redumix.data.arith import BUCKETS
 from redumix.data.constraints import (
     KINDS,
     Constraint,
@@ -22,6 +21,7 @@ from redumix.data.constraints import (
     words,
 )
 from redumix.data.shards import iter_rows, shard_paths
+from redumix.data.splits import BUCKETS
 from redumix.data.task import Example
 from redumix.data.tasks import flat_settings, make_task
 from redumix.pipeline.config import load_config
