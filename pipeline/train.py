@@ -45,7 +45,7 @@ from redumix.train.data import (
     split_heldout,
 )
 from redumix.train.onpolicy import LiveMixtureTeacher
-from redumix.train.trainer import build_trainer, heldout_kl
+from redumix.train.trainer import TrainerSetup, build_trainer, heldout_kl
 
 STAGE = "train"
 
@@ -120,15 +120,12 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
     model = load_weights(model_path, config.model)
     seed = config.seed if tc.seed < 0 else tc.seed
     callbacks = [MetricsToRunLog(run), *(callbacks or [])]
+    setup = TrainerSetup(str(checkpoints), seed, use_cpu(config), world_size(), tuple(callbacks))
     if tc.method == "sdft":
-        trainer = build_sdft_trainer(model, tokenizer, train_examples, tc, str(checkpoints), seed=seed,
-                                     use_cpu=use_cpu(config), processes=world_size(), callbacks=callbacks)
+        trainer = build_sdft_trainer(model, tokenizer, train_examples, tc, setup)
     else:
         teacher = live_teacher(config, model_path, model, tokenizer, seed) if on_policy else None
-        trainer = build_trainer(
-            model, tokenizer, train_examples, tc, str(checkpoints), seed=seed, use_cpu=use_cpu(config),
-            processes=world_size(), callbacks=callbacks, live_teacher=teacher,
-        )
+        trainer = build_trainer(model, tokenizer, train_examples, tc, setup, live_teacher=teacher)
     last = last_complete_checkpoint(checkpoints)
     if last:
         print0(f"train: resuming from {last}")

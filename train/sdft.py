@@ -23,7 +23,7 @@ How the settings map onto SDFTConfig:
 - max_prompt_length None: TRL cuts a long prompt from the left, which would cut x off the front of x2.
 
 Optimizer, schedule, batch, seed, LoRA or full, checkpoints: as the GKD trainer (train/trainer.py `hf_arguments`,
-`lora_config`). TRL turns dropout off in the student and the teacher (`disable_dropout`), so `lora_dropout` has no
+`trainer_parts`). TRL turns dropout off in the student and the teacher (`disable_dropout`), so `lora_dropout` has no
 effect here.
 
 Resume: HF checkpoints hold the student, optimizer, scheduler, RNG and data position, and rollouts are drawn afresh
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from datasets import Dataset
 from peft import get_peft_model_state_dict
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl.experimental.sdft import SDFTConfig, SDFTTrainer
 from trl.experimental.sdft.sdft_trainer import DemonstrationTeacherContextBuilder
 from trl.experimental.sdft.teacher_sync import PEFTAdapterEMACallback
@@ -51,7 +51,7 @@ from trl.experimental.sdft.teacher_sync import PEFTAdapterEMACallback
 from redumix.data.chat import prompt_ids
 from redumix.data.prompts import Message, attempt_messages, redo_messages
 from redumix.train.config import TrainConfig
-from redumix.train.trainer import NoFinalCheckpoint, hf_arguments, lora_config, skip_deepspeed_shm_build
+from redumix.train.trainer import TrainerSetup, hf_arguments, trainer_parts
 
 EMA_TEACHER = "ema_teacher.pt"  # the full fine-tuning EMA teacher's weights, in each checkpoint
 TEACHER_ADAPTER = "teacher"  # the name TRL gives the LoRA EMA teacher's adapter (and its folder in a checkpoint)
@@ -144,20 +144,8 @@ def build_sdft_trainer(
     tokenizer: PreTrainedTokenizerBase,
     train_examples: Dataset,
     config: TrainConfig,
-    output_dir: str,
-    seed: int,
-    use_cpu: bool,
-    processes: int = 1,
-    callbacks: list[TrainerCallback] | None = None,
+    setup: TrainerSetup,
 ) -> X2SDFTTrainer:
     """A trainer over examples from `sdft_examples`; with adapter 'lora' TRL wraps the model with peft."""
-    if config.deepspeed and use_cpu:
-        skip_deepspeed_shm_build()
-    return X2SDFTTrainer(
-        model=model,
-        args=sdft_arguments(config, output_dir, seed, use_cpu, processes),
-        train_dataset=train_examples,
-        processing_class=tokenizer,
-        peft_config=lora_config(config),
-        callbacks=[NoFinalCheckpoint(), *(callbacks or [])],
-    )
+    args = sdft_arguments(config, setup.output_dir, setup.seed, setup.use_cpu, setup.processes)
+    return X2SDFTTrainer(**trainer_parts(model, tokenizer, train_examples, config, setup, args))

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from datasets import Dataset
 from peft import LoraConfig
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback, TrainingArguments
 from trl import SFTConfig, SFTTrainer
 
 from redumix.train.config import TrainConfig
@@ -164,35 +165,47 @@ def training_arguments(config: TrainConfig, output_dir: str, seed: int, use_cpu:
     )
 
 
+@dataclass(frozen=True)
+class TrainerSetup:
+    """Where and how a trainer runs, whatever it learns: its checkpoint folder, seed, device, how many ranks train
+    together (gloo joins them on CPU) and callbacks beyond the run's own."""
+
+    output_dir: str
+    seed: int
+    use_cpu: bool
+    processes: int = 1
+    callbacks: tuple[TrainerCallback, ...] = ()
+
+
+def trainer_parts(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train_examples: Dataset, config: TrainConfig,
+    setup: TrainerSetup, args: TrainingArguments,
+) -> dict[str, Any]:
+    """What every trainer here is built with (GKD's, and SDFT's in train/sdft.py): the model (wrapped by peft with
+    adapter 'lora'), its arguments, the examples, the tokenizer and the callbacks, no checkpoint at the last step
+    first."""
+    if config.deepspeed and setup.use_cpu:
+        skip_deepspeed_shm_build()
+    return dict(model=model, args=args, train_dataset=train_examples, processing_class=tokenizer,
+                peft_config=lora_config(config), callbacks=[NoFinalCheckpoint(), *setup.callbacks])
+
+
 def build_trainer(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     train_examples: Dataset,
     config: TrainConfig,
-    output_dir: str,
-    seed: int,
-    use_cpu: bool,
-    processes: int = 1,
-    callbacks: list[TrainerCallback] | None = None,
+    setup: TrainerSetup,
     live_teacher: LiveMixtureTeacher | None = None,
 ) -> SparseGKDTrainer:
-    """A trainer over examples from `train.data.build_examples`; with adapter 'lora' the model is wrapped by peft.
-
-    `processes` is how many ranks train together (gloo joins them on CPU). `live_teacher` turns on on-policy
-    steps (train.policy on_policy, train/onpolicy.py).
-    """
+    """A trainer over examples from `train.data.build_examples`. `live_teacher` turns on on-policy steps
+    (train.policy on_policy, train/onpolicy.py)."""
     if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer has no pad token; set one (e.g. pad_token = eos_token) before training")
-    if config.deepspeed and use_cpu:
-        skip_deepspeed_shm_build()
+    args = training_arguments(config, setup.output_dir, setup.seed, setup.use_cpu, setup.processes)
     return SparseGKDTrainer(
-        model=model,
-        args=training_arguments(config, output_dir, seed, use_cpu, processes),
+        **trainer_parts(model, tokenizer, train_examples, config, setup, args),
         data_collator=SparseTeacherCollator(pad_token_id=tokenizer.pad_token_id),
-        train_dataset=train_examples,
-        processing_class=tokenizer,
-        peft_config=lora_config(config),
-        callbacks=[NoFinalCheckpoint(), *(callbacks or [])],
         beta=config.beta,
         temperature=config.temperature,
         live_teacher=live_teacher,
