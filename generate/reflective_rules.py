@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from redumix.generate.reflective_config import GateKind
+from redumix.generate.tail_text import text_ends_with
 
 # --- the uncertainty gate --------------------------------------------------------------------------------------------
 
@@ -43,21 +44,8 @@ def uncertainty(logprobs: torch.Tensor, kind: GateKind = "norm_entropy", top_k: 
 
 
 def at_trigger_point(tokenizer: PreTrainedTokenizerBase, visible: Sequence[int], triggers: Sequence[str]) -> bool:
-    """Whether the visible text so far ends with one of `triggers` (always, when there are none).
-
-    Decodes only the last few tokens: at least one char per token is assumed, plus two spare tokens, so that a
-    token cut at the window's start (a stripped leading space, a split UTF-8 byte) cannot change the tail. The
-    window doubles while its text is still too short, so a string that spans token boundaries is still found.
-    """
-    if not triggers:
-        return True
-    longest = max(len(s) for s in triggers)
-    n = longest + 2
-    while True:
-        text = tokenizer.decode(list(visible[-n:]), skip_special_tokens=True)
-        if len(text) >= longest + 2 or n >= len(visible):
-            return text.endswith(tuple(triggers))
-        n *= 2
+    """Whether the visible text so far ends with one of `triggers` (always, when there are none)."""
+    return not triggers or text_ends_with(tokenizer, visible, triggers, skip_special_tokens=True)
 
 
 def peek_agrees(
