@@ -34,7 +34,7 @@ from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.report import paired_with_greedy
 from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.rounds import round_config, round_dir, run_rounds
-from redumix.pipeline.run import RunDir, model_path
+from redumix.pipeline.run import RunDir, arm_dir, model_path
 
 # The round policy that stalled (docs/rounds.md): each key's value there. The recipe's policy differs from it in its
 # ingredients.
@@ -72,16 +72,12 @@ def ablation_arms(config: Config) -> list[tuple[str, dict[str, Any], int]]:
     return arms
 
 
-def arm_dir(run: RunDir, arm: str, seed: int) -> RunDir:
-    return RunDir(run.root / "ablation" / arm / f"seed-{seed}")
-
-
 def run_ablation(config: Config, run: RunDir) -> dict[str, Any]:
     ensure_embedded(config, run)
     start = model_path(config.model.path, run).resolve()
     arms = ablation_arms(config)
     for arm, changes, seed in arms:
-        here = arm_dir(run, arm, seed)
+        here = arm_dir(run.ablation, arm, seed)
         settings = with_settings(config, {**changes, "model.path": str(start), "train.seed": seed})
         if arm == "old-policy-equal-steps":
             settings = with_settings(settings, {"train.max_steps": policy_steps_per_round(run, config)})
@@ -91,12 +87,12 @@ def run_ablation(config: Config, run: RunDir) -> dict[str, Any]:
         share_first_harvest(run, settings, here)
         run_rounds(settings, here)
         write_ablation(run, summarize_ablation(config, run, arms))
-    return read_json(run.root / "ablation" / "ablation.json")
+    return read_json(run.ablation / "ablation.json")
 
 
 def policy_steps_per_round(run: RunDir, config: Config) -> int:
     """The policy arm's (first seed's) mean training steps per round."""
-    first = arm_dir(run, "policy", config.rounds.ablation_seeds[0])
+    first = arm_dir(run.ablation, "policy", config.rounds.ablation_seeds[0])
     steps = [read_json(round_dir(first, i).train / "metrics.json")["steps"] for i in range(1, config.rounds.count + 1)]
     return math.ceil(sum(steps) / len(steps))
 
@@ -108,7 +104,7 @@ def share_first_harvest(run: RunDir, settings: Config, here: RunDir) -> None:
         return
     fingerprint = harvest_fingerprint(round_config(settings, 1, Path(settings.model.path)),
                                       make_task(settings.task, settings.seed))
-    for source in sorted((run.root / "ablation").glob("*/seed-*/rounds/round-1/harvest")):
+    for source in sorted(run.ablation.glob("*/seed-*/rounds/round-1/harvest")):
         if (source / "manifest.json").is_file() and read_json(source / "manifest.json").get(
                 "fingerprint") == fingerprint:
             print0(f"ablation: round 1's harvest is {source}'s (the same settings and starting model); copied")
@@ -138,10 +134,10 @@ def arm_wall_seconds(here: RunDir, count: int) -> float:
 
 def summarize_ablation(config: Config, run: RunDir, arms: list[tuple[str, dict[str, Any], int]]) -> dict[str, Any]:
     count = config.rounds.count
-    reference = arm_dir(run, "policy", config.rounds.ablation_seeds[0])
+    reference = arm_dir(run.ablation, "policy", config.rounds.ablation_seeds[0])
     rows = []
     for arm, changes, seed in arms:
-        here = arm_dir(run, arm, seed)
+        here = arm_dir(run.ablation, arm, seed)
         summary_path = here.root / "rounds" / "rounds.json"
         done = summary_path.is_file() and len(read_json(summary_path)["rounds"]) == count + 1
         row: dict[str, Any] = {"arm": arm, "seed": seed, "changes": changes, "done": done}
@@ -162,7 +158,7 @@ def summarize_ablation(config: Config, run: RunDir, arms: list[tuple[str, dict[s
 
 
 def write_ablation(run: RunDir, summary: dict[str, Any]) -> None:
-    folder = run.root / "ablation"
+    folder = run.ablation
     atomic_write_json(folder / "ablation.json", summary)
     atomic_write_text(folder / "ablation.md", ablation_markdown(summary))
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from redumix.generate.cntp import CntpConfig, CntpDecoder
@@ -29,7 +28,7 @@ from redumix.generate.reflective_tuning import matched_ablations
 from redumix.generate.report_details import GUIDE, REDO, REFINE, REFLECTION, ReportDetails
 from redumix.generate.speculative import GuideGreedyDecoder, SpeculativeConfig, SpeculativeDecoder
 from redumix.pipeline.lineage import model_id
-from redumix.pipeline.run import REPO
+from redumix.pipeline.run import in_repo
 
 if TYPE_CHECKING:  # for types only: Config's eval section takes its default and help from this table
     from redumix.pipeline.config import Config
@@ -137,9 +136,7 @@ def _guide(config: Config) -> tuple[str, str]:
     if config.speculative.guide_path is None:
         raise ValueError("speculative.guide_path is not set: the speculative decoders and guide-greedy need a guide "
                          "model folder (the same tokenizer as model.path, a larger model)")
-    folder = Path(config.speculative.guide_path)
-    if not folder.exists() and (REPO / folder).exists():
-        folder = REPO / folder
+    folder = in_repo(config.speculative.guide_path)
     if not (folder / "config.json").is_file():
         raise ValueError(f"speculative.guide_path={config.speculative.guide_path}: no model there (expected a Hugging "
                          "Face folder with config.json)")

@@ -24,7 +24,7 @@ from redumix.common.ranks import barrier, print0, rank
 from redumix.data.tasks import make_task
 from redumix.embedded import build_embedded, build_settings, measure, read_text_or_none, require_arith
 from redumix.pipeline.config import Config
-from redumix.pipeline.run import EMBEDDED, REPO, RunDir
+from redumix.pipeline.run import EMBEDDED, RunDir, in_repo
 
 
 def embedded_is_complete(run: RunDir) -> bool:
@@ -38,9 +38,7 @@ def shipped_embedded(config: Config) -> Path | None:
     """`embedded.shipped` when it holds a complete build of exactly these settings, else None (with the reason)."""
     if not config.embedded.shipped:
         return None
-    folder = Path(config.embedded.shipped)
-    if not folder.exists() and (REPO / folder).exists():  # the bundled `models/tiny-base`, run from elsewhere
-        folder = REPO / folder
+    folder = in_repo(config.embedded.shipped)  # the bundled `models/tiny-base`, run from elsewhere
     if not (folder / "metrics.json").is_file():
         print0(f"embedded: embedded.shipped={folder} holds no complete build (no metrics.json); building from the "
                "code")

@@ -38,7 +38,7 @@ from redumix.pipeline.harvest import run_harvest
 from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.rft import rft_harvest
-from redumix.pipeline.run import EMBEDDED, RunDir, model_path
+from redumix.pipeline.run import EMBEDDED, RunDir, arm_dir, model_path
 from redumix.pipeline.stats import mcnemar_exact_p, wilson_interval
 from redumix.pipeline.train import run_train
 
@@ -47,7 +47,7 @@ def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
     ensure_embedded(config, run)
     base = model_path(config.model.path, run).resolve()
     ev = config.evidence
-    folder = run.root / "evidence"
+    folder = run.evidence
     plan = [(arm, seed) for arm in ev.main_arms for seed in ev.seeds]
     plan += [(arm, ev.seeds[0]) for arm in ev.other_arms if arm not in ev.main_arms]
     eval_greedy(config, RunDir(folder / "base"), base, checkpoint="base")
@@ -76,10 +76,6 @@ def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
     return summary
 
 
-def arm_dir(folder: Path, arm: str, seed: int) -> RunDir:
-    return RunDir(folder / arm / f"seed-{seed}")
-
-
 def harvest_for(config: Config, run: RunDir, kind: str) -> Path:
     """The harvest an arm learns from: the recipe's own in RUN_DIR/harvest, one with one setting changed, or for
     `rft` the recipe's own with `evidence.rft_samples` of the model's samples a problem (pipeline/rft.py)."""
@@ -88,11 +84,11 @@ def harvest_for(config: Config, run: RunDir, kind: str) -> Path:
         if not config.evidence.rft_samples:
             return own
         return rft_harvest(config, model_path(config.model.path, run).resolve(), own,
-                           run.root / "evidence" / "harvest-rft")
+                           run.evidence / "harvest-rft")
     if kind == "verifier":
         run_harvest(config, run)
         return run.harvest
-    here = RunDir(run.root / "evidence" / f"harvest-{kind}")
+    here = RunDir(run.evidence / f"harvest-{kind}")
     settings = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(run.embedded.resolve()))
                                    if config.model.path == EMBEDDED else config.model,
                                    redumix=dataclasses.replace(config.redumix, **HARVESTS[kind]))

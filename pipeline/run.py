@@ -37,12 +37,34 @@ class RunDir:
         return self.root / "eval"
 
     @property
+    def ablation(self) -> Path:
+        return self.root / "ablation"
+
+    @property
+    def evidence(self) -> Path:
+        return self.root / "evidence"
+
+    @property
     def logs(self) -> Path:
         return self.root / "logs"
 
     @property
     def metrics(self) -> Path:
         return self.logs / "metrics.jsonl"
+
+
+def arm_dir(study: Path, arm: str, seed: int) -> RunDir:
+    """One arm's run folder for one seed in a study's folder (`RUN_DIR/evidence`, `RUN_DIR/ablation`)."""
+    return RunDir(study / arm / f"seed-{seed}")
+
+
+def in_repo(path: str | Path) -> Path:
+    """A relative path missing here but present in the repository is the repository's (a bundled recipe, the shipped
+    `models/tiny-base`, run from another directory); any other path as given."""
+    given = Path(path)
+    if not given.is_absolute() and not given.exists() and (REPO / given).exists():
+        return REPO / given
+    return given
 
 
 def model_path(setting: str, run: RunDir) -> Path:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from redumix.pipeline.ablation import OLD_POLICY, ablation_arms, ablation_markdown, arm_dir, run_ablation
+from redumix.pipeline.ablation import OLD_POLICY, ablation_arms, ablation_markdown, run_ablation
 from redumix.pipeline.config import load_config
 from redumix.pipeline.rounds import round_dir
-from redumix.pipeline.run import RunDir
+from redumix.pipeline.run import RunDir, arm_dir
 from tests.test_rounds import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,12 +37,13 @@ def test_ablation_runs_every_arm_shares_round_one_and_reports(tmp_path, tiny_mod
     assert arms == [("policy", 0), ("without-skill-rows", 0), ("without-replay", 0), ("old-policy", 0),
                     ("old-policy-equal-steps", 0)]
     assert all(row["done"] and row["steps"] > 0 and row["wall_seconds"] > 0 for row in summary["arms"])
-    shards = {arm: sorted((round_dir(arm_dir(run, arm, 0), 1).harvest).glob("shard-*.arrow")) for arm, _ in arms}
+    shards = {arm: sorted(round_dir(arm_dir(run.ablation, arm, 0), 1).harvest.glob("shard-*.arrow"))
+              for arm, _ in arms}
     first = [p.read_bytes() for p in shards["policy"]]
     assert first and all([p.read_bytes() for p in paths] == first for paths in shards.values())
 
     def rows(arm: str) -> dict:
-        metrics = round_dir(arm_dir(run, arm, 0), 1).train / "metrics.json"
+        metrics = round_dir(arm_dir(run.ablation, arm, 0), 1).train / "metrics.json"
         return json.loads(metrics.read_text())["rows"]
 
     assert "skill" in rows("policy") and "replay" in rows("policy")
