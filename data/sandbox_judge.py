@@ -1,0 +1,304 @@
+"""The sandbox's inside: a judge and a runner, started as `python -I sandbox_judge.py CONFIG` by data/sandbox.py.
+
+redumix never imports this file; it is a script, standard library only, that the sandbox runs in a fresh interpreter.
+
+**Two processes, one secret.** The judge reads the program's code (stdin), isolates itself (below), then forks the
+runner. Only then does it read the tests and the pass nonce from a second pipe, so the runner's memory never held
+either: the runner closes that pipe and the result pipe before it runs any model code. The runner executes the model's
+code and then serves calls: the judge runs each test itself, and every name the model's code defines is, in the test,
+a proxy that asks the runner to call it. What comes back is a *plain value* (None, bool, int, float, complex, str,
+bytes, list, tuple, dict, set, range, or an iterator's items) in a tagged JSON that the judge decodes without running
+anything, so the comparison `==` of every assert runs in the judge, on plain values: an object whose `__eq__` says
+True, a patched builtin or an early `sys.exit(0)` in the runner cannot make an assert pass. The judge writes
+`{"event": "pass", "nonce": ...}` to the result pipe after the last test, and a pass is that line alone. The runner
+cannot write it: it holds no copy of the pipe, and it cannot reach the judge's (no /proc in its Landlock domain, no
+ptrace of a process outside its domain, the judge is not dumpable, and it lives outside the runner's pid namespace).
+Nor can it know the nonce. Exiting early, with any status, only ends the runner: the judge reports it as a failure.
+
+**Isolation**, each layer reported in the first event (`isolation`), so a host that lacks one says so:
+- user, network and pid namespaces (`unshare`): no network but loopback; the runner is pid 1 of its own namespace,
+  so when it dies every process it started dies, and it cannot see or signal a process outside;
+- Landlock: the runner reads only the interpreter's files and system libraries and writes only in its temporary
+  folder, makes no TCP connection (ABI 4+) and sends no signal outside its domain (ABI 6+);
+- no capabilities, no new privileges, the judge not dumpable;
+- rlimits on CPU seconds, address space, file size, open files and processes (per namespace, so a fork bomb stops);
+- the parent adds: a scrubbed environment, the temporary folder as cwd and HOME, an unprivileged uid when it is root,
+  and a wall-clock deadline that kills the whole process group.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import linecache
+import os
+import select
+import signal
+import socket
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling module, then the path `-I` made
+from sandbox_isolation import (  # noqa: E402
+    drop_privileges,
+    landlock,
+    no_new_processes,
+    seccomp_support,
+    set_limits,
+    unshare_namespaces,
+)
+from sandbox_values import NotPlain, decode, encode  # noqa: E402
+
+del sys.path[0]
+MAX_MESSAGE = 16 << 20  # bytes of one message between judge and runner
+CUT = 2000  # characters of a message or traceback kept
+
+
+class Timeout(BaseException):
+    """The judge's deadline passed (a BaseException, so no `except Exception` in a test catches it)."""
+
+
+class RunnerGone(BaseException):
+    """The runner closed its end: it exited or was killed."""
+
+
+# --- messages --------------------------------------------------------------------------------------------------------
+
+
+class Channel:
+    """Newline-framed JSON over one end of a socket pair."""
+
+    def __init__(self, fd):
+        self.fd, self.buffer = fd, b""
+
+    def send(self, message):
+        data = (json.dumps(message, ensure_ascii=True, allow_nan=False) + "\n").encode()
+        while data:
+            data = data[os.write(self.fd, data):]
+
+    def receive(self, deadline=None):
+        while b"\n" not in self.buffer:
+            if deadline is not None and not select.select([self.fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise Timeout()
+            chunk = os.read(self.fd, 1 << 16)
+            if not chunk:
+                raise RunnerGone()
+            self.buffer += chunk
+            if len(self.buffer) > MAX_MESSAGE:
+                raise ValueError(f"a message of more than {MAX_MESSAGE} bytes")
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return json.loads(line, parse_constant=_no_constant)
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not strict JSON")
+
+
+def describe(exc, source):
+    """An exception as the feedback shows it: its type, message and the traceback through the model's code only."""
+    try:
+        message = str(exc)
+    except BaseException:  # the model's own exception class may refuse to print
+        message = "(its message could not be printed)"
+    linecache.cache["<solution>"] = (len(source), None, source.splitlines(True), "<solution>")
+    try:
+        summary = traceback.TracebackException(type(exc), exc, exc.__traceback__, limit=20)
+        frames = [f for f in summary.stack if f.filename == "<solution>"]
+        text = "".join(traceback.StackSummary.from_list(frames).format()) + "".join(summary.format_exception_only())
+    except BaseException:
+        text = f"{type(exc).__name__}: {message}\n"
+    return {"type": type(exc).__name__[:100], "message": message[:CUT],
+            "traceback": ("Traceback (most recent call last):\n" + text)[-CUT:]}
+
+
+# --- the runner: the model's code, in its own domain -----------------------------------------------------------------
+
+
+def runner(fd, code, work, limits):
+    """Runs the model's code, then answers calls until the judge hangs up. Every line before `exec` is ours."""
+    os.closerange(3, fd)
+    os.closerange(fd + 1, 1 << 16)
+    null = os.open("/dev/null", os.O_RDWR)
+    for target in (0, 1, 2):
+        os.dup2(null, target)
+    os.close(null)
+    landlock(work)  # a domain nested in the judge's: the judge is outside it, so no ptrace and no signal reaches it
+    no_new_processes()
+    set_limits(limits)
+    channel, scope = Channel(fd), {"__name__": "__solution__", "__builtins__": builtins}
+    try:
+        exec(compile(code, "<solution>", "exec"), scope)
+        names = {k: "call" if callable(v) else "ref" for k, v in list(scope.items())[:10_000] if k[:2] != "__"}
+        channel.send({"names": names})
+    except BaseException as exc:
+        channel.send({"load_error": _describe_or_name(exc, code)})
+        os._exit(0)
+    while True:
+        try:
+            request = channel.receive()
+        except BaseException:
+            os._exit(0)
+        try:
+            args = [decode(a, scope) for a in request["args"]]
+            kwargs = {k: decode(v, scope) for k, v in request["kwargs"]}
+            reply = {"value": encode(scope[request["call"]](*args, **kwargs))}
+        except NotPlain as exc:
+            reply = {"unplain": str(exc)}
+        except BaseException as exc:
+            reply = {"raised": _describe_or_name(exc, code)}
+        try:
+            channel.send(reply)
+        except BaseException:
+            os._exit(1)
+
+
+def _describe_or_name(exc, code):
+    """`describe`, or the type's name alone when describing fails too (a MemoryError that left no memory)."""
+    try:
+        return describe(exc, code)
+    except BaseException:
+        return {"type": type(exc).__name__[:100], "message": "", "traceback": ""}
+
+
+# --- the judge: the tests, on plain values ---------------------------------------------------------------------------
+
+
+class RemoteError(Exception):
+    """An exception the model's code raised in the runner."""
+
+
+class Ref:
+    """A global of the model's code that is not callable (MBPP's setup code builds trees): sent back by name."""
+
+    def __init__(self, name):
+        self.name = name
+
+
+class Proxy:
+    """A callable of the model's code: the call runs in the runner, and only its plain value comes back."""
+
+    def __init__(self, judge, name):
+        self.judge, self.name = judge, name
+
+    def __call__(self, *args, **kwargs):
+        return self.judge.call(self.name, args, kwargs)
+
+
+class Judge:
+    def __init__(self, channel, deadline):
+        self.channel, self.deadline, self.last = channel, deadline, {}
+
+    def call(self, name, args, kwargs):
+        shown = ", ".join([_show(a) for a in args] + [f"{k}={_show(v)}" for k, v in kwargs.items()])
+        self.last = {"call": f"{name}({shown})"[:200]}
+        self.channel.send({"call": name, "args": [self.encode_arg(a) for a in args],
+                           "kwargs": [[k, self.encode_arg(v)] for k, v in kwargs.items()]})
+        reply = self.channel.receive(self.deadline)
+        if "value" in reply:
+            value = decode(reply["value"])
+            self.last["returned"] = _show(value)
+            return value
+        if "unplain" in reply:
+            self.last["unplain"] = str(reply["unplain"])[:200]
+            raise RemoteError(reply["unplain"])
+        info = reply["raised"]
+        self.last["raised"] = {k: str(info[k])[:CUT] for k in ("type", "message", "traceback")}
+        error_type = getattr(builtins, str(info["type"]), None)
+        if isinstance(error_type, type) and issubclass(error_type, Exception):
+            raise error_type(info["message"])  # a test that expects a ValueError sees one
+        raise RemoteError(info["message"])
+
+    def encode_arg(self, value):
+        return {"ref": value.name} if isinstance(value, Ref) else encode(value)
+
+
+def _show(value):
+    if isinstance(value, Ref):
+        return value.name
+    try:
+        return repr(value)[:200]
+    except ValueError:  # an int too long for repr's digit limit
+        return f"<an int of {value.bit_length()} bits>"
+
+
+def failing_line(exc, tests, index):
+    """The line of the test at which `exc` left it: the failing assert of a HumanEval `check`."""
+    lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if f.filename == "<test>"]
+    source = tests[index].splitlines()
+    return source[lines[-1] - 1].strip() if lines and 0 < lines[-1] <= len(source) else tests[index].strip()
+
+
+def run_tests(judge, names, tests, emit):
+    """Each test in turn against proxies of the model's names; the first failure is reported and ends the run."""
+    scope = {"__name__": "__test__", "__builtins__": builtins}
+    scope.update({n: Proxy(judge, n) if kind == "call" else Ref(n) for n, kind in names.items() if isinstance(n, str)})
+    for index, test in enumerate(tests):
+        emit({"event": "start", "test": index})
+        judge.last = {}
+        try:
+            exec(compile(test, "<test>", "exec"), scope)
+        except Timeout:
+            return emit({"event": "fail", "kind": "timeout", "test": index, **judge.last})
+        except RunnerGone:
+            return emit({"event": "fail", "kind": "exit", "test": index, **judge.last})
+        except BaseException as exc:
+            kind = "unplain" if "unplain" in judge.last else "raised" if "raised" in judge.last else (
+                "wrong" if type(exc) is AssertionError else "error")
+            error = "" if kind != "error" else "".join(traceback.format_exception_only(type(exc), exc)).strip()[:CUT]
+            return emit({"event": "fail", "kind": kind, "test": index, "line": failing_line(exc, tests, index),
+                         "error": error, **judge.last})
+    return True
+
+
+def main():
+    began = time.monotonic()
+    config = json.loads(sys.argv[1])
+    program = json.loads(sys.stdin.read())
+    os.close(0)
+    result = config["result_fd"]
+
+    def emit(event):
+        data = (json.dumps(event, ensure_ascii=True) + "\n").encode()
+        while data:
+            data = data[os.write(result, data):]
+
+    work = os.getcwd()
+    namespaces = unshare_namespaces()
+    drop_privileges()
+    isolation = {"uid": os.geteuid(), "namespaces": namespaces, "landlock": landlock(work),
+                 "seccomp": seccomp_support()}
+    set_limits({k: v for k, v in config["limits"].items() if k != "cpu"})
+    emit({"event": "isolation", **isolation})
+    judge_end, runner_end = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            runner(runner_end.fileno(), program["code"], work, config["limits"])
+        finally:
+            os._exit(1)
+    runner_end.close()
+    with os.fdopen(config["secret_fd"], "rb") as f:
+        secret = json.loads(f.read())
+    deadline = began + config["timeout_s"]
+    channel = Channel(judge_end.fileno())
+    try:
+        hello = channel.receive(deadline)
+        if "load_error" in hello:
+            emit({"event": "fail", "kind": "load", "raised": hello["load_error"]})
+        elif run_tests(Judge(channel, deadline), hello["names"], secret["tests"], emit) is True:
+            emit({"event": "pass", "nonce": secret["nonce"]})
+    except Timeout:
+        emit({"event": "fail", "kind": "timeout", "test": None})
+    except RunnerGone:
+        emit({"event": "fail", "kind": "exit", "test": None})
+    except Exception as exc:  # a message that is not the protocol's: the runner's code wrote to the channel
+        emit({"event": "fail", "kind": "protocol", "error": f"{type(exc).__name__}: {exc}"[:CUT]})
+    finally:
+        os.kill(pid, signal.SIGKILL)  # pid 1 of its namespace: every process the model started goes with it
+        _, status = os.waitpid(pid, 0)
+        emit({"event": "runner", "status": status})
+
+
+if __name__ == "__main__":
+    main()
