@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redumix.data.arith import ArithConfig, ArithTask
+from redumix.data.code import CodeConfig, CodeTask
 from redumix.data.constraints import ConstraintsConfig, ConstraintsTask
 from redumix.data.gsm8k import Gsm8kConfig, Gsm8kTask
 from redumix.data.task import Task
@@ -30,6 +31,7 @@ TASKS: dict[str, TaskEntry] = {
     "arith": TaskEntry(ArithConfig, ArithTask, "generated multi-step arithmetic word problems (data/arith.py)"),
     "gsm8k": TaskEntry(Gsm8kConfig, Gsm8kTask, "grade-school math word problems from JSON Lines (data/gsm8k.py)"),
     "constraints": TaskEntry(ConstraintsConfig, ConstraintsTask, "IFEval-style instructions (data/constraints.py)"),
+    "code": TaskEntry(CodeConfig, CodeTask, "MBPP and HumanEval, their tests run in a sandbox (data/code.py)"),
 }
 
 
@@ -46,6 +48,7 @@ class TaskConfig:
     gsm8k: Gsm8kConfig = field(default_factory=Gsm8kConfig, metadata={"help": "gsm8k's settings"})
     constraints: ConstraintsConfig = field(
         default_factory=ConstraintsConfig, metadata={"help": "constraints' settings"})
+    code: CodeConfig = field(default_factory=CodeConfig, metadata={"help": "code's settings"})
 
     def __post_init__(self) -> None:
         _check_name(self)  # the name is checked against the table when it is read

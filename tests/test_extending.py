@@ -163,7 +163,7 @@ def test_an_unknown_task_gets_the_derived_known_message(tmp_path, monkeypatch, c
 
     assert main(["harvest", "--recipe", RECIPE, "--run-dir", str(tmp_path), "task.name=nope"]) == 2
     err = capsys.readouterr().err
-    assert "command line: 'task.name': unknown task name 'nope' (known: arith, gsm8k, constraints, echo)" in err
+    assert "command line: 'task.name': unknown task name 'nope' (known: arith, gsm8k, constraints, code, echo)" in err
     assert not list(tmp_path.iterdir())  # nothing written
 
 
