@@ -33,6 +33,10 @@ from pathlib import Path
 from typing import Any
 
 JUDGE = Path(__file__).with_name("sandbox_judge.py")
+# The judge's module imported (so its bytecode is cached, not compiled for every program), its folder then taken off
+# the path before any model code runs.
+BOOT = (f"import sys; sys.path.insert(0, {str(JUDGE.parent)!r}); import sandbox_judge; del sys.path[0]; "
+        "sandbox_judge.main()")
 NOBODY = 65534  # the uid and gid a root parent runs programs as
 GRACE_S = 2.0  # the parent's deadline is the timeout plus this: the judge reports its own timeout first
 MAX_EVENTS = 1 << 20  # bytes of the judge's events read
@@ -135,7 +139,7 @@ def _run(program: Program, limits: Limits, drop: bool) -> Outcome:
         config = {"result_fd": result_w, "secret_fd": secret_r, "timeout_s": limits.timeout_s,
                   "limits": limits.rlimits()}
         user = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if drop else {}
-        process = subprocess.Popen([sys.executable, "-I", "-S", str(JUDGE), json.dumps(config)], stdin=subprocess.PIPE,
+        process = subprocess.Popen([sys.executable, "-I", "-S", "-c", BOOT, json.dumps(config)], stdin=subprocess.PIPE,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=work,
                                    env=_environment(work), pass_fds=(secret_r, result_w), start_new_session=True,
                                    **user)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
 import resource
 import struct
 import sys
@@ -111,14 +110,14 @@ _SYSCALLS = {"x86_64": (0xC000003E, 57, 58, 56, 435), "aarch64": (0xC00000B7, -1
 
 
 def seccomp_support():
-    machine = platform.machine()
+    machine = os.uname().machine
     return "no new processes" if machine in _SYSCALLS else f"unavailable (no syscall table for {machine})"
 
 
 def no_new_processes():
     """The seccomp filter that refuses every new process (EPERM) and lets threads start, where `seccomp_support`
     says there is one."""
-    machine = platform.machine()
+    machine = os.uname().machine
     if machine not in _SYSCALLS:
         return
     arch, fork, vfork, clone, clone3 = _SYSCALLS[machine]

@@ -1,13 +1,16 @@
-"""The sandbox's inside: a judge and a runner, started as `python -I sandbox_judge.py CONFIG` by data/sandbox.py.
+"""The sandbox's inside: a judge and a runner, each program in a fresh `python -I -S` that data/sandbox.py starts.
 
-redumix never imports this file; it is a script, standard library only, that the sandbox runs in a fresh interpreter.
+redumix never imports this module: the sandbox's interpreter does (`BOOT` in data/sandbox.py puts this folder on its
+path for the import alone, so the judge's bytecode is cached and the model's code cannot import from here). It and
+its two siblings, sandbox_isolation.py and sandbox_values.py, use the standard library only.
 
 **Two processes, one secret.** The judge reads the program's code (stdin), isolates itself (below), then forks the
 runner. Only then does it read the tests and the pass nonce from a second pipe, so the runner's memory never held
 either: the runner closes that pipe and the result pipe before it runs any model code. The runner executes the model's
 code and then serves calls: the judge runs each test itself, and every name the model's code defines is, in the test,
 a proxy that asks the runner to call it. What comes back is a *plain value* (None, bool, int, float, complex, str,
-bytes, list, tuple, dict, set, range, or an iterator's items) in a tagged JSON that the judge decodes without running
+bytes, list, tuple, dict, set, range, or an iterator's items; any other object stays in the runner, and the judge
+holds an opaque handle to it that equals only itself) in a tagged JSON that the judge decodes without running
 anything, so the comparison `==` of every assert runs in the judge, on plain values: an object whose `__eq__` says
 True, a patched builtin or an early `sys.exit(0)` in the runner cannot make an assert pass. The judge writes
 `{"event": "pass", "nonce": ...}` to the result pipe after the last test, and a pass is that line alone. The runner
@@ -21,7 +24,8 @@ Nor can it know the nonce. Exiting early, with any status, only ends the runner:
 - Landlock: the runner reads only the interpreter's files and system libraries and writes only in its temporary
   folder, makes no TCP connection (ABI 4+) and sends no signal outside its domain (ABI 6+);
 - no capabilities, no new privileges, the judge not dumpable;
-- rlimits on CPU seconds, address space, file size, open files and processes (per namespace, so a fork bomb stops);
+- seccomp: the runner starts no process (threads still start), so a fork bomb ends at its first fork;
+- rlimits on CPU seconds, address space, file size, open files and processes;
 - the parent adds: a scrubbed environment, the temporary folder as cwd and HOME, an unprivileged uid when it is root,
   and a wall-clock deadline that kills the whole process group.
 """
@@ -29,18 +33,12 @@ Nor can it know the nonce. Exiting early, with any status, only ends the runner:
 from __future__ import annotations
 
 import builtins
-import json
-import linecache
 import os
 import select
-import signal
-import socket
 import sys
 import time
-import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling module, then the path `-I` made
-from sandbox_isolation import (  # noqa: E402
+from sandbox_isolation import (
     drop_privileges,
     landlock,
     no_new_processes,
@@ -48,9 +46,8 @@ from sandbox_isolation import (  # noqa: E402
     set_limits,
     unshare_namespaces,
 )
-from sandbox_values import NotPlain, decode, encode  # noqa: E402
+from sandbox_values import Handle, NotPlain, decode, dumps, encode, loads
 
-del sys.path[0]
 MAX_MESSAGE = 16 << 20  # bytes of one message between judge and runner
 CUT = 2000  # characters of a message or traceback kept
 
@@ -67,15 +64,18 @@ class RunnerGone(BaseException):
 
 
 class Channel:
-    """Newline-framed JSON over one end of a socket pair."""
+    """Newline-framed JSON over a pair of pipes, one each way."""
 
-    def __init__(self, fd):
-        self.fd, self.buffer = fd, b""
+    def __init__(self, read_fd, write_fd):
+        self.fd, self.write_fd, self.buffer = read_fd, write_fd, b""
 
     def send(self, message):
-        data = (json.dumps(message, ensure_ascii=True, allow_nan=False) + "\n").encode()
-        while data:
-            data = data[os.write(self.fd, data):]
+        data = (dumps(message) + "\n").encode()
+        try:
+            while data:
+                data = data[os.write(self.write_fd, data):]
+        except BrokenPipeError:
+            raise RunnerGone() from None
 
     def receive(self, deadline=None):
         while b"\n" not in self.buffer:
@@ -88,15 +88,14 @@ class Channel:
             if len(self.buffer) > MAX_MESSAGE:
                 raise ValueError(f"a message of more than {MAX_MESSAGE} bytes")
         line, _, self.buffer = self.buffer.partition(b"\n")
-        return json.loads(line, parse_constant=_no_constant)
-
-
-def _no_constant(name):
-    raise ValueError(f"{name} is not strict JSON")
+        return loads(line.decode())
 
 
 def describe(exc, source):
     """An exception as the feedback shows it: its type, message and the traceback through the model's code only."""
+    import linecache
+    import traceback
+
     try:
         message = str(exc)
     except BaseException:  # the model's own exception class may refuse to print
@@ -115,10 +114,11 @@ def describe(exc, source):
 # --- the runner: the model's code, in its own domain -----------------------------------------------------------------
 
 
-def runner(fd, code, work, limits):
+def runner(read_fd, write_fd, code, work, limits):
     """Runs the model's code, then answers calls until the judge hangs up. Every line before `exec` is ours."""
-    os.closerange(3, fd)
-    os.closerange(fd + 1, 1 << 16)
+    low, high = sorted((read_fd, write_fd))
+    for first, last in ((3, low), (low + 1, high), (high + 1, 1 << 16)):
+        os.closerange(first, last)
     null = os.open("/dev/null", os.O_RDWR)
     for target in (0, 1, 2):
         os.dup2(null, target)
@@ -126,10 +126,20 @@ def runner(fd, code, work, limits):
     landlock(work)  # a domain nested in the judge's: the judge is outside it, so no ptrace and no signal reaches it
     no_new_processes()
     set_limits(limits)
-    channel, scope = Channel(fd), {"__name__": "__solution__", "__builtins__": builtins}
+    channel, scope = Channel(read_fd, write_fd), {"__name__": "__solution__", "__builtins__": builtins}
+    kept = {}  # the objects the judge holds handles to, by key: "#n" (a value returned) or a global's name
+
+    def keep(value):
+        kept[f"#{len(kept)}"] = value
+        return f"#{len(kept) - 1}"
+
+    def find(key, label):
+        return kept[key] if key.startswith("#") else scope[key]
+
     try:
         exec(compile(code, "<solution>", "exec"), scope)
-        names = {k: "call" if callable(v) else "ref" for k, v in list(scope.items())[:10_000] if k[:2] != "__"}
+        names = {k: "call" if callable(v) else type(v).__name__[:100] for k, v in list(scope.items())[:10_000]
+                 if k[:2] != "__"}
         channel.send({"names": names})
     except BaseException as exc:
         channel.send({"load_error": _describe_or_name(exc, code)})
@@ -140,9 +150,9 @@ def runner(fd, code, work, limits):
         except BaseException:
             os._exit(0)
         try:
-            args = [decode(a, scope) for a in request["args"]]
-            kwargs = {k: decode(v, scope) for k, v in request["kwargs"]}
-            reply = {"value": encode(scope[request["call"]](*args, **kwargs))}
+            args = [decode(a, find) for a in request["args"]]
+            kwargs = {k: decode(v, find) for k, v in request["kwargs"]}
+            reply = {"value": encode(scope[request["call"]](*args, **kwargs), keep)}
         except NotPlain as exc:
             reply = {"unplain": str(exc)}
         except BaseException as exc:
@@ -168,21 +178,17 @@ class RemoteError(Exception):
     """An exception the model's code raised in the runner."""
 
 
-class Ref:
-    """A global of the model's code that is not callable (MBPP's setup code builds trees): sent back by name."""
-
-    def __init__(self, name):
-        self.name = name
-
-
 class Proxy:
     """A callable of the model's code: the call runs in the runner, and only its plain value comes back."""
 
     def __init__(self, judge, name):
-        self.judge, self.name = judge, name
+        self.judge, self.key = judge, name
 
     def __call__(self, *args, **kwargs):
-        return self.judge.call(self.name, args, kwargs)
+        return self.judge.call(self.key, args, kwargs)
+
+    def __repr__(self):
+        return self.key
 
 
 class Judge:
@@ -192,11 +198,11 @@ class Judge:
     def call(self, name, args, kwargs):
         shown = ", ".join([_show(a) for a in args] + [f"{k}={_show(v)}" for k, v in kwargs.items()])
         self.last = {"call": f"{name}({shown})"[:200]}
-        self.channel.send({"call": name, "args": [self.encode_arg(a) for a in args],
-                           "kwargs": [[k, self.encode_arg(v)] for k, v in kwargs.items()]})
+        self.channel.send({"call": name, "args": [encode(a, _key) for a in args],
+                           "kwargs": [[k, encode(v, _key)] for k, v in kwargs.items()]})
         reply = self.channel.receive(self.deadline)
         if "value" in reply:
-            value = decode(reply["value"])
+            value = decode(reply["value"], Handle)
             self.last["returned"] = _show(value)
             return value
         if "unplain" in reply:
@@ -209,13 +215,16 @@ class Judge:
             raise error_type(info["message"])  # a test that expects a ValueError sees one
         raise RemoteError(info["message"])
 
-    def encode_arg(self, value):
-        return {"ref": value.name} if isinstance(value, Ref) else encode(value)
+
+
+def _key(value):
+    """What stands for an object of the runner in an argument: the handle's key, a proxy's name."""
+    if isinstance(value, (Handle, Proxy)):
+        return value.key
+    raise NotPlain(f"the test passes a {type(value).__name__} object, which cannot be sent")
 
 
 def _show(value):
-    if isinstance(value, Ref):
-        return value.name
     try:
         return repr(value)[:200]
     except ValueError:  # an int too long for repr's digit limit
@@ -224,6 +233,8 @@ def _show(value):
 
 def failing_line(exc, tests, index):
     """The line of the test at which `exc` left it: the failing assert of a HumanEval `check`."""
+    import traceback
+
     lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if f.filename == "<test>"]
     source = tests[index].splitlines()
     return source[lines[-1] - 1].strip() if lines and 0 < lines[-1] <= len(source) else tests[index].strip()
@@ -232,7 +243,7 @@ def failing_line(exc, tests, index):
 def run_tests(judge, names, tests, emit):
     """Each test in turn against proxies of the model's names; the first failure is reported and ends the run."""
     scope = {"__name__": "__test__", "__builtins__": builtins}
-    scope.update({n: Proxy(judge, n) if kind == "call" else Ref(n) for n, kind in names.items() if isinstance(n, str)})
+    scope.update({n: Proxy(judge, n) if kind == "call" else Handle(n, str(kind)) for n, kind in names.items()})
     for index, test in enumerate(tests):
         emit({"event": "start", "test": index})
         judge.last = {}
@@ -245,7 +256,7 @@ def run_tests(judge, names, tests, emit):
         except BaseException as exc:
             kind = "unplain" if "unplain" in judge.last else "raised" if "raised" in judge.last else (
                 "wrong" if type(exc) is AssertionError else "error")
-            error = "" if kind != "error" else "".join(traceback.format_exception_only(type(exc), exc)).strip()[:CUT]
+            error = "" if kind != "error" else f"{type(exc).__name__}: {exc}"[:CUT]
             return emit({"event": "fail", "kind": kind, "test": index, "line": failing_line(exc, tests, index),
                          "error": error, **judge.last})
     return True
@@ -253,13 +264,15 @@ def run_tests(judge, names, tests, emit):
 
 def main():
     began = time.monotonic()
-    config = json.loads(sys.argv[1])
-    program = json.loads(sys.stdin.read())
-    os.close(0)
+    config = loads(sys.argv[1])
+    program = loads(sys.stdin.read())
+    null = os.open("/dev/null", os.O_RDONLY)  # stdin stays open, so no pipe below takes descriptor 0
+    os.dup2(null, 0)
+    os.close(null)
     result = config["result_fd"]
 
     def emit(event):
-        data = (json.dumps(event, ensure_ascii=True) + "\n").encode()
+        data = (dumps(event) + "\n").encode()
         while data:
             data = data[os.write(result, data):]
 
@@ -270,18 +283,19 @@ def main():
                  "seccomp": seccomp_support()}
     set_limits({k: v for k, v in config["limits"].items() if k != "cpu"})
     emit({"event": "isolation", **isolation})
-    judge_end, runner_end = socket.socketpair()
+    to_runner, to_judge = os.pipe(), os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
-            runner(runner_end.fileno(), program["code"], work, config["limits"])
+            runner(to_runner[0], to_judge[1], program["code"], work, config["limits"])
         finally:
             os._exit(1)
-    runner_end.close()
+    os.close(to_runner[0])
+    os.close(to_judge[1])
     with os.fdopen(config["secret_fd"], "rb") as f:
-        secret = json.loads(f.read())
+        secret = loads(f.read().decode())
     deadline = began + config["timeout_s"]
-    channel = Channel(judge_end.fileno())
+    channel = Channel(to_judge[0], to_runner[1])
     try:
         hello = channel.receive(deadline)
         if "load_error" in hello:
@@ -295,10 +309,6 @@ def main():
     except Exception as exc:  # a message that is not the protocol's: the runner's code wrote to the channel
         emit({"event": "fail", "kind": "protocol", "error": f"{type(exc).__name__}: {exc}"[:CUT]})
     finally:
-        os.kill(pid, signal.SIGKILL)  # pid 1 of its namespace: every process the model started goes with it
+        os.kill(pid, 9)  # SIGKILL to pid 1 of its namespace: every process the model started goes with it
         _, status = os.waitpid(pid, 0)
         emit({"event": "runner", "status": status})
-
-
-if __name__ == "__main__":
-    main()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from redumix.data.sandbox import GRACE_S, JUDGE, Limits, Program, isolation, run_batch, run_one
+from redumix.data.sandbox import BOOT, GRACE_S, Limits, Program, isolation, run_batch, run_one
 from redumix.data.sandbox_values import NotPlain, decode, encode
 
 QUICK = Limits(timeout_s=1.5)
@@ -25,7 +25,7 @@ def _leftover_processes() -> list[str]:
             command = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if entry.name.isdigit() and str(JUDGE).encode() in command:
+        if entry.name.isdigit() and BOOT.encode() in command:
             found.append(f"{entry.name}: {command[:120]!r}")
     return found
 
@@ -193,12 +193,23 @@ def f():
 
 def test_objects_that_claim_equality_or_patch_builtins_fail(clean):
     always = grade("class A:\n    def __eq__(self, other):\n        return True\ndef f():\n    return A()\n")
-    assert (always.kind, always.error) == ("unplain", "a A object")
+    assert (always.kind, always.returned) == ("wrong", "<A object>")  # the judge holds a handle, equal to itself
     subclass = grade("class N(int):\n    def __eq__(self, other):\n        return True\ndef f():\n    return N(5)\n")
     assert (subclass.kind, subclass.returned) == ("wrong", "5")  # sent as the int it is
     patched = grade("import builtins\nbuiltins.AssertionError = type('X', (Exception,), {})\n"
                     "builtins.isinstance = lambda a, b: True\ndef f():\n    return 2\n")
     assert patched.passed is False  # (the patch breaks the runner's own encoder: the runner is the model's)
+
+
+def test_objects_of_the_model_cross_as_handles_and_come_back(clean):
+    code = ("class Pair:\n    def __init__(self, a, b):\n        self.a, self.b = a, b\n"
+            "def longest(pairs, n):\n    return max(p.b - p.a for p in pairs[:n])\n"
+            "def keep(values, kind):\n    return [v for v in values if isinstance(v, kind)]\n")
+    tests = ("assert longest([Pair(5, 24), Pair(15, 25)], 2) == 19", "assert keep((4, 7.7, 'a'), float) == [7.7]",
+             "assert keep([Pair(1, 2)], Pair) != []")
+    assert grade(code, *tests).passed
+    made = grade(code, "assert Pair(1, 2) == Pair(1, 2)")
+    assert (made.kind, made.call, made.returned) == ("wrong", "Pair(1, 2)", "<Pair object>")
 
 
 def test_plain_values_cross_exactly_and_nothing_else_decodes():
