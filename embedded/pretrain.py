@@ -2,11 +2,12 @@
 
 Whole episodes are packed into rows (none is cut), attention stays inside each episode, and the loss falls on
 trained assistant tokens only. AdamW with warmup and cosine decay runs for a fixed number of steps: the machine is
-shared, so wall time cannot be the budget. Training is float32 unless `base.bf16`, which pays only on a CPU with
+shared, so wall time cannot be the budget. Training is float32 unless `embedded.bf16`, which pays only on a CPU with
 native bf16.
 
-Every `base.checkpoint_steps` the loop saves weights, optimizer state and step. The packed rows are a pure function
-of the tokenizer and the seed, so a run resumed from a checkpoint takes exactly the steps an unbroken one would.
+Every `embedded.checkpoint_steps` the loop saves weights, optimizer state and step. The packed rows are a pure
+function of the tokenizer and the seed, so a run resumed from a checkpoint takes exactly the steps an unbroken one
+would.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""`redumix STAGE [--recipe R] [--run-dir DIR] [-v] [key.sub=value ...]`, `redumix config`, `redumix decoders`
+"""`redumix STAGE [--recipe R] [--run-dir DIR] [-v] [key.sub=value ...]`, `redumix config`, `redumix decoders`,
+`redumix stages`.
 
-The stages are the `STAGES` table below; `redumix --help` lists them and `redumix STAGE --help` lists the config keys
-that stage reads, with defaults and help. A recipe is a YAML path or a bundled recipe's name (`--recipe tiny`).
-A new stage is a module with a `run_<stage>(config, run)` function and one line in the table (the Makefile reads it).
-`config` and `decoders` are not stages: they print and touch no run folder. A stage silences the libraries' own
-progress bars and warnings; `-v` lets them through.
+The stages are the table in pipeline/stages.py; `redumix --help` lists them and `redumix STAGE --help` lists the
+config keys that stage reads (`SECTIONS` below), its own section first. A recipe is a YAML path or a bundled
+recipe's name (`--recipe tiny`). TRL's spellings (`--config`, `--harvest.n 8`, `--output_dir`) are rewritten or
+answered with a hint by pipeline/habits.py. `config`, `decoders` and `stages` are not stages: they print and touch
+no run folder. A stage silences the libraries' own progress bars and warnings; `-v` lets them through.
 """
 
 from __future__ import annotations
@@ -15,43 +16,21 @@ import importlib
 import json
 import signal
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from redumix.common.files import atomic_write_text
 from redumix.common.ranks import print0, rank
 from redumix.pipeline import reference
+from redumix.pipeline.claim import claimed
 from redumix.pipeline.config import Config, load_config
 from redumix.pipeline.decoders import DECODERS
-from redumix.pipeline.lock import RunFolderBusy, run_folder_lock
+from redumix.pipeline.habits import translate
+from redumix.pipeline.lock import RunFolderBusy
+from redumix.pipeline.preflight import check_model_folder, where_set
 from redumix.pipeline.resolve import EXTENDS, ConfigError, changed_keys, config_to_yaml
 from redumix.pipeline.run import RunDir
-
-
-@dataclass(frozen=True)
-class Stage:
-    module: str  # imported only when the stage runs, so that `redumix embedded` does not pay for TRL and DeepSpeed
-    function: str  # its `(config, run)` entry point in that module
-    help: str
-    ranked: bool = False  # `make STAGE NPROC=N` launches it on N ranks through torchrun
-
-
-# One line a stage: the Makefile reads its targets from these lines, so keep each entry on one line.
-STAGES: dict[str, Stage] = {
-    "embedded": Stage("redumix.pipeline.embedded_stage", "run_embedded", "build the embedded default model"),
-    "harvest": Stage("redumix.pipeline.harvest", "run_harvest", "redos under p_mix, into Arrow shards", ranked=True),
-    "train": Stage("redumix.pipeline.train", "run_train", "distil the stored p_mix into the model", ranked=True),
-    "eval": Stage("redumix.pipeline.eval", "run_eval", "every decoder on the base and tuned checkpoints", ranked=True),
-    "export": Stage("redumix.pipeline.export", "run_export", "DPO pairs and an SFT set (JSONL, Parquet, datasets)"),
-    "calibrate": Stage("redumix.pipeline.calibrate", "run_calibrate", "pick the reflective gate and stop rule"),
-    "rounds": Stage("redumix.pipeline.rounds", "run_rounds", "harvest, train, eval, round after round", ranked=True),
-    "ablation": Stage("redumix.pipeline.ablation", "run_ablation", "which ingredient of the round policy gains"),
-    "evidence": Stage("redumix.pipeline.evidence", "run_evidence", "controls and ablations of the distillation claim"),
-    "ladder": Stage("redumix.pipeline.ladder", "run_ladder", "does a redo beat a second sample (train problems)"),
-}
-
+from redumix.pipeline.stages import STAGES, Stage, stages_text
 
 # The config sections each stage reads besides the top level (`name`, `seed`): what `redumix STAGE --help` lists.
 # A stage not named here lists every section. tests/test_cli.py checks each stage module's `config.<section>` reads.
@@ -74,29 +53,54 @@ def stage_sections(stage: str) -> list[str]:
 
 def _run_options(parser: argparse.ArgumentParser, recipe_default: str | None = DEFAULT_RECIPE) -> None:
     parser.add_argument("--recipe", default=recipe_default,
-                        help="YAML recipe: a path, or a bundled recipe's name such as `tiny` (default: tiny)")
-    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied after the recipe")
+                        help="YAML recipe: a path, or a bundled recipe's name such as `tiny` (default: tiny); "
+                        "TRL's --config works too")
+    parser.add_argument("--config", dest="recipe", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # TRL's name
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied after the recipe (optional)")
+
+
+ABOUT = """\
+redumix: a model answers a task, gets feedback, reflects and redoes it; the redo is decoded from p_mix, a mixture of
+the model on the plain prompt and on the prompt with the reflection. redumix harvests those redos, distils them into
+the model that sees only the plain prompt, and measures every decoder.
+
+  redumix STAGE [--recipe R] [--run-dir DIR] [-v] [key.sub=value ...]
+
+R is a YAML recipe or a bundled recipe's name (default: tiny). Any key.sub=value after it changes that key; none is
+needed. A stage writes into runs/<recipe name>/, beside the resolved config (config.yaml)."""
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    stages = "\n".join(f"  {name:<10} {stage.help}" for name, stage in STAGES.items())
+    return argparse.ArgumentParser(
+        prog="redumix", description=ABOUT, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"stages (the pipeline: harvest, train, eval):\n{stages}\n\nother commands:\n"
+        f"  {'config':<10} print the resolved config; with --name NAME, a recipe of your own\n"
+        f"  {'decoders':<10} list the decoders that eval.decoders may name\n"
+        f"  {'stages':<10} list the stages\n\n"
+        "`redumix STAGE --help` lists the config keys a stage reads, with defaults and help.",
+    )
+
+
+def _stage_parser(stage: str) -> argparse.ArgumentParser:
+    """`redumix STAGE --help`: the stage's own section first, the others it reads, the top level, `embedded` last."""
+    names = sorted([*stage_sections(stage), ""], key=lambda s: (s != stage, s == "embedded", s == ""))
+    brief = {} if stage == "embedded" else {"embedded": "the embedded default model's build, read when model.path="
+                                            "embedded; `redumix embedded --help` lists them"}
+    return argparse.ArgumentParser(
+        prog=f"redumix {stage}", description=f"redumix {stage}: {STAGES[stage].help}.",
+        epilog="config keys it reads (set in the recipe, or key.sub=value here):\n"
+        + reference.stage_text(names, brief),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in STAGES:  # `redumix STAGE ...`: its own parser, whose --help lists the stage's keys
-        stage = argv[0]
-        parser = argparse.ArgumentParser(
-            prog=f"redumix {stage}", description=f"redumix {stage}: {STAGES[stage].help}.",
-            epilog="config keys it reads (set in the recipe, or key.sub=value here):\n"
-            + reference.stage_text(stage_sections(stage)),
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-    else:
-        stages = "\n".join(f"  {name:<10} {stage.help}" for name, stage in STAGES.items())
-        parser = argparse.ArgumentParser(
-            prog="redumix", description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
-            epilog=f"stages:\n{stages}\n\nother commands:\n  {'config':<10} print the resolved config (or "
-            f"--markdown: the reference)\n  {'decoders':<10} list the decoders\n\n`redumix STAGE --help` lists "
-            "the config keys a stage reads.",
-        )
-        parser.add_argument("stage", choices=STAGES, metavar="STAGE", help="one of the stages listed below")
+    argv = translate(sys.argv[1:] if argv is None else list(argv))  # TRL's spellings: rewritten, or a hint
+    staged = bool(argv) and argv[0] in STAGES  # `redumix STAGE ...`: its own parser, whose --help lists its keys
+    parser = _stage_parser(argv[0]) if staged else _top_parser()
+    if not staged:
+        parser.add_argument("stage", nargs="?", choices=STAGES, metavar="STAGE", help="one of the stages below")
     parser.add_argument("--run-dir", default=None, help="run folder (default: runs/<recipe name>)")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="let the libraries speak: model-loading and dataset progress bars, their warnings")
@@ -106,8 +110,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             "harvest or train: model.path=DIR eval.checkpoints=[base] eval.base_label=NAME "
                             "(default run folder: runs/NAME)")
     _run_options(parser)
-    args = parser.parse_intermixed_args(argv[1:] if argv and argv[0] in STAGES else argv)
-    args.stage = args.stage if "stage" in args else argv[0]  # overrides may follow --recipe, as the Makefile passes
+    if not argv:  # a bare `redumix`: what it does and how to run it
+        parser.print_help()
+        parser.exit()
+    args = parser.parse_intermixed_args(argv[1:] if staged else argv)
+    if not staged and args.stage is None:
+        parser.error(f"name a stage, one of: {', '.join(STAGES)} (`redumix --help` says what each does)")
+    args.stage = argv[0] if staged else args.stage  # overrides may follow --recipe, as the Makefile passes
     return args
 
 
@@ -123,8 +132,18 @@ def resolve(argv: list[str] | None = None) -> tuple[str, Config, RunDir]:
                      f"eval.base_label={json.dumps(name)}", *overrides]
         default_dir = Path("runs") / name  # not the recipe's run folder, whose eval report it would replace
     config = load_config(args.recipe, overrides)
+    if reads_model_path(args.stage, config):  # before any folder is touched, naming where model.path was set
+        check_model_folder(config.model.path, "--model" if getattr(args, "model", None) else
+                           where_set(args.recipe, args.overrides, "model.path"))
     run = RunDir(Path(args.run_dir) if args.run_dir else default_dir or Path("runs") / config.name)
     return args.stage, config, run
+
+
+def reads_model_path(stage: str, config: Config) -> bool:
+    """Whether the stage loads the model that model.path names (eval only for its `base` checkpoint)."""
+    if stage == "eval":
+        return "base" in config.eval.checkpoints
+    return stage != "embedded" and "model" in stage_sections(stage)
 
 
 # --- quiet libraries -----------------------------------------------------------------------------------------------
@@ -172,7 +191,7 @@ def config_command(argv: list[str]) -> int:
     parser.add_argument("--markdown", action="store_true",
                         help="print the configuration reference (every key's type, default and help) as Markdown "
                         "instead: docs/config.md")
-    args = parser.parse_intermixed_args(argv)
+    args = parser.parse_intermixed_args(translate(argv))
     if args.markdown:
         if args.recipe or args.overrides or args.name:
             parser.error("--markdown prints the reference of the defaults; it takes no --recipe, --name or overrides")
@@ -207,7 +226,17 @@ def decoders_command(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"config": config_command, "decoders": decoders_command}
+def stages_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="redumix stages", description="List the stages (pipeline/stages.py).")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--names", action="store_true", help="only the names, on one line (what the Makefile reads)")
+    which.add_argument("--ranked", action="store_true", help="only the stages that run on NPROC ranks")
+    args = parser.parse_args(argv)
+    print(stages_text("--names" if args.names else "--ranked" if args.ranked else ""))
+    return 0
+
+
+COMMANDS = {"config": config_command, "decoders": decoders_command, "stages": stages_command}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,11 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop ends the stage as Ctrl-C does
     try:
-        if rank() == 0:
-            run.root.mkdir(parents=True, exist_ok=True)
-        with run_folder_lock(run.root, stage):
-            if rank() == 0:
-                atomic_write_text(run.config, config_to_yaml(config))
+        with claimed(run, stage, config_to_yaml(config)):  # a stage that writes nothing leaves the folder as it was
             print0(f"redumix {stage}: run folder {run.root}, recipe {config.name}")
             run_stage(stage, config, run)
     except RunFolderBusy as exc:
@@ -274,7 +299,7 @@ def permission_message(exc: PermissionError, run: RunDir) -> str:
 
 
 def run_stage(stage: str, config: Config, run: RunDir) -> None:
-    entry = STAGES[stage]
+    entry: Stage = STAGES[stage]
     getattr(importlib.import_module(entry.module), entry.function)(config, run)
 
 

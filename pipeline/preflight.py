@@ -1,4 +1,5 @@
-"""What a stage checks before it claims any folder: the model loads, the device exists, the prompts fit.
+"""What a stage checks before it claims any folder: model.path is a local folder, the model loads, the device
+exists, the prompts fit.
 
 A stage that fails one of these checks has written nothing, so the rerun with the input fixed is not refused as "a
 different config". Each error names the file (or the key) and says what to do.
@@ -6,6 +7,7 @@ different config". Each error names the file (or the key) and says what to do.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,6 +17,9 @@ from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages
 from redumix.data.task import Example
 from redumix.generate.model_io import ModelConfig, load_tokenizer
+from redumix.pipeline.config import find_extended, find_recipe
+from redumix.pipeline.resolve import ConfigError, read_recipe
+from redumix.pipeline.run import EMBEDDED
 
 
 def check_inputs(model: ModelConfig, path: Path, examples: Sequence[Example], max_new_tokens: int) -> None:
@@ -23,6 +28,36 @@ def check_inputs(model: ModelConfig, path: Path, examples: Sequence[Example], ma
     tokenizer = load_tokenizer(path, model.trust_remote_code)  # the folder, its chat template, a pad token
     window = check_model_files(path, model.trust_remote_code)
     check_prompts_fit(tokenizer, window, examples, max_new_tokens)
+
+
+# `Qwen/Qwen2.5-1.5B-Instruct`: an organisation and a repository, which a user of the Hub writes for a model.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def check_model_folder(setting: str, where: str) -> None:
+    """`model.path` (set in `where`: a recipe file, the command line or --model) is a folder on this machine, or
+    'embedded'. A Hugging Face Hub id is told how to download the model, since redumix downloads nothing."""
+    if setting in (EMBEDDED, "base") or Path(setting).is_dir():  # 'base' gets run.model_path's own error
+        return
+    said = f"{where}: 'model.path' = {setting!r}"
+    if HUB_ID.fullmatch(setting) and not Path(setting.split("/")[0]).exists():
+        local = f"models/{setting.split('/')[1].lower()}"
+        raise ConfigError(
+            f"{said} is not a folder here; if it is a Hugging Face Hub id: redumix reads models from local folders "
+            f"only (nothing is downloaded at run time), so download it once with `hf download {setting} --local-dir "
+            f"{local}` (`huggingface-cli download` before huggingface_hub 1.0), then set model.path: {local}")
+    raise ConfigError(f"{said}: no such folder; set model.path to a local Hugging Face model folder (one with "
+                      "config.json), or to 'embedded' for the embedded default model")
+
+
+def where_set(recipe: str | Path | None, overrides: list[str], key: str) -> str:
+    """Where `key` got its value: the command line, the recipe file (or one it extends) that sets it, or defaults."""
+    if any(item.partition("=")[0].strip() == key for item in overrides):
+        return "command line"
+    origin: dict[str, str] = {}
+    if recipe is not None:
+        read_recipe(find_recipe(recipe), origin, find_extended)
+    return origin.get(key, "defaults")
 
 
 def check_device(device: str) -> None:

@@ -19,7 +19,7 @@ from redumix.pipeline.config import Config
 
 @dataclass(frozen=True)
 class Key:
-    dotted: str  # `harvest.n`, `base.corpus.slip_rate`, `seed`
+    dotted: str  # `harvest.n`, `embedded.corpus.slip_rate`, `seed`
     type: str
     default: str  # as a recipe or a `key=value` override would write it (JSON, which YAML reads)
     help: str
@@ -27,7 +27,7 @@ class Key:
 
 @dataclass(frozen=True)
 class Section:
-    dotted: str  # "" for the top level, `model`, `base.corpus`, ...
+    dotted: str  # "" for the top level, `model`, `embedded.corpus`, ...
     help: str
     keys: list[Key]
 
@@ -71,16 +71,24 @@ def type_name(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
-def stage_text(names: list[str]) -> str:
-    """The named sections (and the top level) for `redumix STAGE --help`: each key, its default, its help."""
-    lines = []
+def stage_text(names: list[str], brief: dict[str, str] | None = None) -> str:
+    """The named sections ("" is the top level) for `redumix STAGE --help`, in the order named: each key, its default
+    and its help. A section in `brief` is one line instead: its key count and that text."""
+    brief = brief or {}
+    groups: dict[str, list[Section]] = {}
     for section in sections():
-        if section.dotted.split(".")[0] not in ["", *names]:
+        groups.setdefault(section.dotted.split(".")[0], []).append(section)
+    lines = []
+    for name in names:
+        if name in brief:
+            count = sum(len(section.keys) for section in groups[name])
+            lines.append(f"{name}.*: {count} keys, {brief[name]}")
             continue
-        lines.append(f"{section.dotted or 'top level'}:" + (f"  {section.help}" if section.help else ""))
-        for key in section.keys:
-            lines.append(f"  {key.dotted} = {key.default}  ({key.type})")
-            lines += textwrap.wrap(key.help, 110, initial_indent=" " * 6, subsequent_indent=" " * 6)
+        for section in groups[name]:
+            lines.append(f"{section.dotted or 'top level'}:" + (f"  {section.help}" if section.help else ""))
+            for key in section.keys:
+                lines.append(f"  {key.dotted} = {key.default}  ({key.type})")
+                lines += textwrap.wrap(key.help, 110, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(lines)
 
 

@@ -221,10 +221,11 @@ def test_override_without_a_value():
 def test_model_folder_missing(tmp_path, capsys):
     nowhere = tmp_path / "nowhere"
     code, err = harvest_cli(capsys, tmp_path / "run", nowhere)
-    assert code == 1
-    line = one_error(err, "harvest")
-    assert f"no model at {nowhere}" in line and "set model.path to a local checkpoint folder" in line
-    assert not (tmp_path / "run" / "harvest").exists()  # not claimed: a rerun with the right path is not refused
+    assert code == 2  # refused at the door, as a config error, naming where model.path was set
+    assert err.strip() == (f"redumix: command line: 'model.path' = '{nowhere}': no such folder; set model.path to a "
+                           "local Hugging Face model folder (one with config.json), or to 'embedded' for the embedded "
+                           "default model")
+    assert not (tmp_path / "run").exists()  # nothing written: a rerun with the right path is not refused
 
 
 def test_model_folder_without_chat_template(tmp_path, capsys, tiny_model_dir):
