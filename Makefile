@@ -11,11 +11,12 @@ RUN_DIR_FLAG := $(if $(RUN_DIR),--run-dir $(RUN_DIR),)
 # Multi-process stages go through torchrun, which starts exactly NPROC ranks on CPU or GPU alike.
 LAUNCH := $(if $(filter 1,$(NPROC)),$(BIN)/redumix,$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m redumix.pipeline.cli)
 
-# The stages are read from pipeline/cli.py's STAGES table, one line a stage, so a new stage needs no edit here. Those
-# marked ranked=True run on NPROC ranks (torchrun when NPROC > 1); the others run in one process.
-STAGE_LINE := ^    "\([a-z_-]*\)": Stage(
-STAGES := $(shell sed -n 's/$(STAGE_LINE).*/\1/p' pipeline/cli.py)
-RANKED := $(shell sed -n 's/$(STAGE_LINE).*ranked=True.*/\1/p' pipeline/cli.py)
+# The stages come from the stage table, pipeline/stages.py, which any Python 3 runs on its own (before .venv exists, and
+# without loading torch on every `make`), so a new stage needs no edit here. RANKED ones run on NPROC ranks (torchrun
+# when NPROC > 1); the others run in one process. `make print-STAGES` shows what it said.
+STAGES := $(shell $(PYTHON) pipeline/stages.py --names)
+RANKED := $(shell $(PYTHON) pipeline/stages.py --ranked)
+$(if $(STAGES),,$(warning no stage targets: `$(PYTHON) pipeline/stages.py --names` failed; pass PYTHON=a Python 3))
 # `make rounds ROUNDS=N`: harvest -> train -> eval N times (default: the recipe's rounds.count), each round from the
 # last one's model. `make evidence`: the controls and ablations of the distillation claim, in RUN_DIR/evidence/.
 ARGS_rounds = $(if $(ROUNDS),rounds.count=$(ROUNDS),)
@@ -42,7 +43,7 @@ help:  # the targets (the first target, so a bare `make` prints this)
 	@echo "make lint                     ruff, and mypy over the packages"
 	@echo "make print-VAR                a variable's value, e.g. make print-STAGES"
 	@echo "make clean                    remove runs/ and .pytest_cache"
-	@echo "redumix --help, redumix STAGE --help, redumix config, redumix decoders: the CLI explains the rest"
+	@echo "redumix --help, redumix STAGE --help, redumix stages, redumix config, redumix decoders: the CLI explains the rest"
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml

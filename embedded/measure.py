@@ -1,7 +1,7 @@
 """What the built base scores on held-out arith `test` problems (its `metrics.json`), decoded by generate/'s decoders.
 
 - greedy (`PlainDecoder` at temperature 0): accuracy, answers with no final number, and line accuracy;
-- with `base.eval_reflection`, what reflection buys: ReDuMix at λ=0 decodes the redo from x2 alone, after the
+- with `embedded.eval_reflection`, what reflection buys: ReDuMix at λ=0 decodes the redo from x2 alone, after the
   verifier's feedback and after the model's own critique (whose verdicts are scored against the verifier's);
 - and forced check spans: reflective decoding that opens a hidden `<|reflect|>` span at every visible ` = ` (its
   periodic ablation with a period of one token) and lets the model end each span with its own `<|/reflect|>`.
@@ -93,7 +93,7 @@ def forced_check_spans(
 
 
 def measure(model: Model, tokenizer: Tokenizer, task: Task, base: EmbeddedConfig, seed: int) -> dict:
-    """Greedy accuracy on the first `base.eval_n` held-out test problems; with `base.eval_reflection`, what
+    """Greedy accuracy on the first `embedded.eval_n` held-out test problems; with `embedded.eval_reflection`, what
     reflection and check spans buy."""
     examples, batch_size = task.examples("test", base.eval_n), base.eval_batch_size
     greedy = PlainDecoder("greedy", GREEDY, seed)

@@ -18,6 +18,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from redumix.common.files import read_text
+from redumix.pipeline.habits import foreign_hint
 
 T = TypeVar("T")
 
@@ -176,6 +177,8 @@ def _build(cls: type, raw: Any, prefix: str, origin: dict[str, str], errors: lis
             close = renamed or deeper or difflib.get_close_matches(str(key), known, n=1)
             shown = close[0] if renamed else prefix + close[0] if close else ""
             hint = f" (did you mean {shown!r}?)" if close else f" (known: {', '.join(known)})"
+            foreign = None if renamed else foreign_hint(dotted)  # TRL's `num_train_epochs`: redumix's key
+            hint = f" ({foreign})" if foreign else hint
             errors.append(f"{_where(origin, dotted)}: unknown key {dotted!r}{hint}")
     kwargs = {}
     for name in known:

@@ -48,7 +48,7 @@ def test_stage_help_lists_its_sections_keys_with_defaults_and_help(capsys):
     assert '  redumix.lam = 0.5  (float)' in out and '  seed = 0  (int)' in out
     assert "train.beta" not in out and "eval.n " not in out  # harvest reads neither section
     _, out, _ = run(capsys, "rounds", "--help")  # a stage not in SECTIONS lists every section
-    for section in ("model.path", "harvest.n", "train.beta", "eval.decoders", "evidence.seeds", "embedded.corpus."):
+    for section in ("model.path", "harvest.n", "train.beta", "eval.decoders", "evidence.seeds", "embedded.*: "):
         assert section in out
 
 

@@ -154,8 +154,8 @@ def test_cli_reports_unknown_keys_and_missing_model(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "unknown key 'harvest.lamda'" in err and "lam must be in [0, 1]" in err and "command line" in err
     assert main(["harvest", "--recipe", str(ROOT / "recipes/tiny.yaml"), "--run-dir", str(tmp_path),
-                 f"model.path={tmp_path / 'nowhere'}"]) == 1
-    assert "no model at" in capsys.readouterr().err
+                 f"model.path={tmp_path / 'nowhere'}"]) == 2
+    assert "command line: 'model.path' = " in capsys.readouterr().err
 
 
 @pytest.mark.slow
