@@ -51,8 +51,10 @@ def _what_happened(outcome: Outcome, test: str, detail: str, timeout_s: float) -
     if kind in ("protocol", "crash"):
         return "Your code interfered with the test harness, so no test could be checked."
     text = f"Your code fails {test}"
-    if detail == "assert" or not call:
+    if detail == "assert":
         return text
+    if not call:  # the test stopped before calling the code: a name it does not define, say
+        return f"{text}\nThe test raised {outcome.error}." if outcome.error else text
     if kind == "wrong":
         return f"{text}\n{call} returned {outcome.returned}."
     if kind == "raised":

@@ -54,6 +54,8 @@ def test_mbpp_splits_by_task_id_with_the_first_assert_in_the_prompt():
     assert len(json.loads(first.reference)["tests"]) == 3
     assert "def " not in first.reference  # the tests only: the reference solution is not in the record
     assert task.examples("train", 90)[-1].id == "mbpp-600"  # the first 90 train problems are MBPP's validation
+    validation = CodeTask(CodeConfig(test_set="validation")).examples("test", None)
+    assert [e.id for e in validation] == [f"mbpp-{i}" for i in range(511, 601)]
 
 
 @needs_mbpp
@@ -144,6 +146,8 @@ def test_feedback_for_timeouts_syntax_and_no_code():
     assert task.feedback(reply("import sys\nsys.exit(0)\n"), example) == (
         "Your code raised SystemExit: 0 when it was run, before any test.")
     assert not task.is_correct(no_code, example)
+    assert task.feedback(reply("def g(x):\n    return x\n"), example) == (
+        "Your code fails this test:\nassert f(1) == 1\nThe test raised NameError: name 'f' is not defined.")
 
 
 def test_grade_many_grades_once_and_serves_the_rest_from_its_cache():
