@@ -48,6 +48,7 @@ from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages, redo_messages
 from redumix.data.shards import encode_shard, read_shard
 from redumix.data.tasks import TaskConfig, make_task
+from redumix.generate.hf_engine import HfEngine
 from redumix.generate.mixture import mixture_loop
 from redumix.generate.plain import generate_batch, sample_loop
 from redumix.generate.policy import SamplingPolicy
@@ -221,14 +222,13 @@ def batched_harvest_speedup(model, tokenizer, n: int = 16) -> Pairs:
     examples = TASK.examples("train", n)
     config = RedumixConfig(reflection_max_tokens=96)
     policy = SamplingPolicy(max_new_tokens=64)
-    stop = [tokenizer.eos_token_id]
+    engine = HfEngine(model, tokenizer)
 
     def run(batch: int) -> float:
         def go():
             for start in range(0, n, batch):
                 part = examples[start : start + batch]
-                redumix_generate(model, tokenizer, [e.prompt for e in part], [e.id for e in part], config, policy,
-                                 0, stop,
+                redumix_generate(engine, [e.prompt for e in part], [e.id for e in part], config, policy, 0,
                                  lambda i, a, part=part: TASK.feedback(a, part[i]))
         return timed(go)
 
@@ -244,9 +244,8 @@ def shard_bytes_per_token(model, tokenizer, n: int = 64) -> tuple[float, float]:
     rows = []
     for start in range(0, n, 16):
         part = examples[start : start + 16]
-        results = redumix_generate(model, tokenizer, [e.prompt for e in part], [e.id for e in part], config, policy,
-                                   0, [tokenizer.eos_token_id],
-                                   lambda i, a, part=part: TASK.feedback(a, part[i]))
+        results = redumix_generate(HfEngine(model, tokenizer), [e.prompt for e in part], [e.id for e in part], config,
+                                   policy, 0, lambda i, a, part=part: TASK.feedback(a, part[i]))
         for e, r in zip(part, results, strict=True):
             rows.append({"id": e.id, "task": e.task, "prompt": e.prompt, "reference": e.reference,
                          "original": r.original, "original_correct": None, "feedback": r.feedback,

@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 from redumix.data.tasks import make_task
-from redumix.generate.model_io import folder_stop_ids, load_model
+from redumix.generate.hf_engine import HfEngine
+from redumix.generate.model_io import load_model
 from redumix.generate.redumix import redumix_generate, task_feedback
 from redumix.generate.vllm_engine import VllmSettings, vllm_version
 from redumix.pipeline.config import load_config
@@ -51,25 +52,20 @@ def run(batch: int = 16, repeats: int = 2) -> dict[str, object]:
 def compare(key: str, folder: Path, batch: int, repeats: int) -> dict[str, object]:
     """The two harvests of one model, side by side."""
     from redumix.generate.vllm_engine import VllmEngine
-    from redumix.generate.vllm_redumix import redumix_generate_vllm
 
     config = load_config(ROOT / "recipes" / "smollm2-135m-arith.yaml", [f"model.path={folder}", *SETTINGS])
     task = make_task(config.task, config.seed)
     examples = task.examples("train", batch)
     prompts, ids = [e.prompt for e in examples], [e.id for e in examples]
     feedback = task_feedback("verifier", task, examples, config.seed)
-    model, tokenizer = load_model(folder, config.model)
-    stop_ids = folder_stop_ids(folder, tokenizer)
+    hf_engine = HfEngine(*load_model(folder, config.model))
     engine = VllmEngine(folder, VllmSettings(kv_cache_gib=2), config.model.dtype, config.seed)
-    window = model.config.max_position_embeddings
 
     def hf():
-        return redumix_generate(model, tokenizer, prompts, ids, config.redumix, config.sampling, config.seed,
-                                stop_ids, feedback)
+        return redumix_generate(hf_engine, prompts, ids, config.redumix, config.sampling, config.seed, feedback)
 
     def vllm():
-        return redumix_generate_vllm(engine, tokenizer, window, prompts, ids, config.redumix, config.sampling,
-                                     config.seed, stop_ids, feedback)
+        return redumix_generate(engine, prompts, ids, config.redumix, config.sampling, config.seed, feedback)
 
     hf(), vllm()  # warm-up: the first calls pay one-off set-up
     rates: dict[str, list[float]] = {"hf": [], "vllm": []}

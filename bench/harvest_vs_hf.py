@@ -16,6 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from bench.bench_decode import FEEDBACK, TASK, Pairs, median_ratio, timed
 from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages, redo_messages, reflect_messages
+from redumix.generate.hf_engine import HfEngine
 from redumix.generate.model_io import stop_token_ids
 from redumix.generate.policy import SamplingPolicy
 from redumix.generate.redumix import RedumixConfig, redumix_generate
@@ -79,7 +80,7 @@ def ours_harvest(
     config = RedumixConfig(lam=LAM, topk=TOP_K, reflection_max_tokens=tokens.reflection)
     policy = SamplingPolicy(max_new_tokens=tokens.answer)
     ids = [f"bench-{i}" for i in range(len(prompts))]
-    results = redumix_generate(model, tokenizer, prompts, ids, config, policy, 0, stop_token_ids(model, tokenizer),
+    results = redumix_generate(HfEngine(model, tokenizer), prompts, ids, config, policy, 0,
                                lambda i, attempt: FEEDBACK)
     return [Redo(r.x2_ids, r.redo_token_ids, r.topk_ids, r.topk_logprobs, r.tail_logprobs, r.usage.generated_tokens)
             for r in results]

@@ -17,13 +17,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tqdm import tqdm
+from transformers import PreTrainedModel as Model
+from transformers import PreTrainedTokenizerBase as Tokenizer
 
 from redumix.common.ranks import rank
 from redumix.data.arith import LINE, apply
 from redumix.data.task import Example, Task
 from redumix.embedded.config import EmbeddedConfig
 from redumix.embedded.vocab import REFLECT_CLOSE, REFLECT_OPEN
-from redumix.generate.decoder import Decoded, Decoder, Model, Tokenizer
+from redumix.generate.decoder import Decoded, Decoder
+from redumix.generate.hf_engine import HfEngine
 from redumix.generate.plain import PlainDecoder
 from redumix.generate.policy import SamplingPolicy
 from redumix.generate.redumix import RedumixConfig, RedumixDecoder
@@ -44,9 +47,10 @@ def decode(
     decoder: Decoder, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], task: Task, batch_size: int
 ) -> list[Decoded]:
     out: list[Decoded] = []
+    engine = HfEngine(model, tokenizer)
     starts = range(0, len(examples), batch_size)
     for lo in tqdm(starts, desc=f"embedded: measuring {decoder.name}", unit="batch", disable=rank() != 0):
-        out += decoder(model, tokenizer, examples[lo : lo + batch_size], task)
+        out += decoder(engine, examples[lo : lo + batch_size], task)
     return out
 
 

@@ -42,7 +42,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from redumix.data.task import Example, Task
 from redumix.generate.accounting import Usage
-from redumix.generate.decoder import Decoded, Model, Tokenizer, attempt_prompts, example_seeds
+from redumix.generate.decoder import Decoded, attempt_prompts, example_seeds
+from redumix.generate.engine import Engine
+from redumix.generate.hf_engine import hf_parts
 from redumix.generate.loop import Generation, should_compact
 from redumix.generate.model_io import stop_token_ids
 from redumix.generate.policy import SamplingPolicy, example_seed, policy_logprobs, sample_tokens
@@ -318,7 +320,10 @@ class CntpDecoder:
     policy: SamplingPolicy
     seed: int
 
-    def __call__(self, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], task: Task) -> list[Decoded]:
+    needs_hf_engine = True  # it chooses tokens from the model's hidden states, step by step
+
+    def __call__(self, engine: Engine, examples: Sequence[Example], task: Task) -> list[Decoded]:
+        model, tokenizer = hf_parts(engine)
         stop_ids = stop_token_ids(model, tokenizer)
         results = cntp_generate(model, tokenizer, attempt_prompts(tokenizer, examples), self.policy,
                                 example_seeds(self.seed, examples, self.name), stop_ids, self.config)

@@ -1,9 +1,12 @@
 """The decoder interface: every decoder is called the same way and returns the same result type.
 
-A decoder is a dataclass holding its own settings, with a `name` and a `__call__(model, tokenizer, examples,
-task)` that returns one `Decoded` per example. Eval maps a decoder name to a decoder and calls it; nothing else
-about a decoder is known outside its own module. `fingerprint(decoder)` is derived from the decoder's settings,
-so a change to any of them invalidates the records it made.
+A decoder is a dataclass holding its own settings, with a `name`, a `needs_hf_engine` flag and a
+`__call__(engine, examples, task)` that returns one `Decoded` per example. It decodes through the engine
+protocol (engine.py), so it runs on redumix's loop or on vLLM alike; one that needs the cache token by token
+sets `needs_hf_engine = True` and is always handed an `HfEngine` (its model through `hf_parts`). Eval maps a
+decoder name to a decoder and calls it; nothing else about a decoder is known outside its own module.
+`fingerprint(decoder)` is derived from the decoder's settings, so a change to any of them invalidates the records
+it made.
 
 The name is also the salt of each example's sampling noise (`example_seed(seed, f"{id}/{name}")`), so two
 decoders never share their random draws.
@@ -18,14 +21,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages
 from redumix.data.task import Example, Task
 from redumix.generate.accounting import Usage
+from redumix.generate.engine import Engine
 from redumix.generate.loop import Generation
-from redumix.generate.model_io import stop_token_ids
 from redumix.generate.policy import example_seed
 
 
@@ -37,18 +40,15 @@ class Decoded:
     extra: dict[str, Any] = field(default_factory=dict)  # per-decoder details, kept in eval's records
 
 
-Model = PreTrainedModel
-Tokenizer = PreTrainedTokenizerBase
-# (prompts, per-example seeds, stop ids, pad id) -> one generation per prompt: a decoder that answers x directly
-GenerateFn = Callable[[list[list[int]], list[int], list[int], int], list[Generation]]
+# (prompts, per-example seeds) -> one generation per prompt: a decoder that answers x directly
+GenerateFn = Callable[[list[list[int]], list[int]], list[Generation]]
 
 
 class Decoder(Protocol):
     name: str
+    needs_hf_engine: bool  # True: it needs the cache token by token, so it is handed an HfEngine
 
-    def __call__(
-        self, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], task: Task
-    ) -> list[Decoded]: ...
+    def __call__(self, engine: Engine, examples: Sequence[Example], task: Task) -> list[Decoded]: ...
 
 
 def fingerprint(decoder: Decoder) -> str:
@@ -76,16 +76,14 @@ def example_seeds(seed: int, examples: Sequence[Example], name: str) -> list[int
 
 def answer_directly(
     generate: GenerateFn,
-    model: Model,
-    tokenizer: Tokenizer,
+    engine: Engine,
     examples: Sequence[Example],
     seed: int,
     name: str,
     messages: MessagesFn = attempt_messages,
 ) -> list[Decoded]:
     """Run a decoder that answers each prompt x in one generation, and wrap its generations as results."""
-    stop_ids = stop_token_ids(model, tokenizer)
-    gens = generate(attempt_prompts(tokenizer, examples, messages), example_seeds(seed, examples, name), stop_ids,
-                    tokenizer.pad_token_id)
+    tokenizer, stop_ids = engine.tokenizer, engine.stop_ids
+    gens = generate(attempt_prompts(tokenizer, examples, messages), example_seeds(seed, examples, name))
     return [Decoded(tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True), g.token_ids, g.usage)
             for g in gens]

@@ -18,7 +18,9 @@ import torch
 from transformers import PreTrainedModel
 
 from redumix.data.task import Example, Task
-from redumix.generate.decoder import Decoded, Model, Tokenizer, answer_directly
+from redumix.generate.decoder import Decoded, answer_directly
+from redumix.generate.engine import Engine
+from redumix.generate.hf_engine import hf_parts
 from redumix.generate.loop import Choice, Generation, decode_prompts
 from redumix.generate.policy import SamplingPolicy, policy_logprobs, sample_tokens
 
@@ -100,8 +102,13 @@ class MoiDecoder:
     policy: SamplingPolicy
     seed: int
 
-    def __call__(self, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], task: Task) -> list[Decoded]:
-        def answer(prompts, seeds, stop_ids, pad_id):
-            return moi_generate(model, prompts, self.policy, seeds, stop_ids, pad_id, self.config)
+    needs_hf_engine = True  # it feeds embedding mixes, not tokens
 
-        return answer_directly(answer, model, tokenizer, examples, self.seed, self.name)
+    def __call__(self, engine: Engine, examples: Sequence[Example], task: Task) -> list[Decoded]:
+        model, tokenizer = hf_parts(engine)
+
+        def answer(prompts, seeds):
+            return moi_generate(model, prompts, self.policy, seeds, engine.stop_ids, tokenizer.pad_token_id,
+                                self.config)
+
+        return answer_directly(answer, engine, examples, self.seed, self.name)

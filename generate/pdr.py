@@ -28,7 +28,9 @@ from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages, distill_messages, format_workspace, refine_messages
 from redumix.data.task import Example, Task
 from redumix.generate.accounting import Usage
-from redumix.generate.decoder import Decoded, Model, Tokenizer, example_seeds
+from redumix.generate.decoder import Decoded, example_seeds
+from redumix.generate.engine import Engine
+from redumix.generate.hf_engine import hf_parts
 from redumix.generate.loop import Generation
 from redumix.generate.model_io import stop_token_ids
 from redumix.generate.plain import generate_batch, sample_loop
@@ -295,7 +297,10 @@ class PdrDecoder:
     policy: SamplingPolicy
     seed: int
 
-    def __call__(self, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], task: Task) -> list[Decoded]:
+    needs_hf_engine = True  # its rounds read and extend the cache of each draft
+
+    def __call__(self, engine: Engine, examples: Sequence[Example], task: Task) -> list[Decoded]:
+        model, tokenizer = hf_parts(engine)
         results = pdr_generate(model, tokenizer, [e.prompt for e in examples], self.policy,
                                example_seeds(self.seed, examples, self.name), stop_token_ids(model, tokenizer),
                                self.config, task.answer)

@@ -1,13 +1,14 @@
 """ReDuMix: attempt, feedback, reflection, then decoding under a per-token mixture
-of two contexts, p_mix = softmax(λ·log p(·|x, y<t) + (1−λ)·log p(·|x2, y<t)). This module stages the four steps
-on one growing cache and holds the eval decoder; the mixture and its decode loop are in mixture.py.
+of two contexts, p_mix = softmax(λ·log p(·|x, y<t) + (1−λ)·log p(·|x2, y<t)). This module writes the four stages
+once, over the engine protocol (engine.py), and holds the eval decoder; HfEngine's mixture loop is in mixture.py,
+vLLM's in vllm_pairs.py.
 
 How it differs from the seed's Algorithm 1, and why:
-- One KV cache per example grows through the stages: x, then y1, then r + REFLECT, then c, then REDO. The cache
-  that stage 1 built is the prefix of x2, never re-encoded. Context x is a copy of the cache taken right after x's
-  prefill, so the redo's two contexts cost nothing extra to set up.
-- Both contexts of every example go through one batched forward pass per token, and policy filters apply to the
-  mixture, not to each context (mixture.py, which holds the redo's decode loop). The stored top-k is that of p_mix.
+- One context per example grows through the stages: x, then y1, then r + REFLECT, then c, then REDO. On HfEngine it
+  is one KV cache, so the cache that stage 1 built is the prefix of x2, never re-encoded, and context x is a copy of
+  the cache taken right after x's prefill; vLLM re-sends the prefix, which its prefix cache finds.
+- Both contexts of every example are decoded in step, and policy filters apply to the mixture, not to each context.
+  The stored top-k is that of p_mix.
 - When x2 would not fit the model's window, the earliest part of y1 is cut and replaced by a short note (not a
   model-written summary: it costs no tokens and keeps the later, most relevant steps). `meta` records the cut.
 """
@@ -18,24 +19,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
 from redumix.data.chat import template_pieces
 from redumix.data.grading import verdict_feedback
-from redumix.data.prompts import REDO_INSTRUCTIONS, attempt_messages, redo_messages, reflect_messages
+from redumix.data.prompts import (
+    REDO_INSTRUCTIONS,
+    attempt_messages,
+    critique_messages,
+    redo_messages,
+    reflect_messages,
+)
 from redumix.data.task import Example, Task
 from redumix.generate.accounting import Usage
-from redumix.generate.decoder import Decoded, Model, Tokenizer
+from redumix.generate.decoder import Decoded
+from redumix.generate.engine import Contexts, Engine, MixedRedo
 from redumix.generate.loop import Generation
-from redumix.generate.mixture import mixture_loop
-from redumix.generate.model_io import stop_token_ids
-from redumix.generate.plain import sample_loop
 from redumix.generate.policy import SamplingPolicy, example_seed
-from redumix.generate.state import DecodeState, clone, extend, merge, prefill, select
-from redumix.generate.turns import critiques, next_turn
-
-COMPRESSION_NOTE = "(earlier steps omitted) "
+from redumix.generate.redo_window import window_cuts, x2_prefix
 
 
 @dataclass
@@ -120,97 +119,127 @@ def task_feedback(mode: str, task: Task, examples: Sequence[Example], seed: int)
 
 
 def redumix_generate(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
+    engine: Engine,
     prompts: Sequence[str],
     example_ids: Sequence[str],
     config: RedumixConfig,
     policy: SamplingPolicy,
     seed: int,
-    stop_ids: Sequence[int],
     feedback: FeedbackFn | None,
 ) -> list[RedumixResult]:
     """Run the four ReDuMix stages on a batch of prompts. Each example's noise derives from `seed` and its id."""
-    stages, x_context, x2_context, usage = redo_contexts(model, tokenizer, prompts, example_ids, config, policy, seed,
-                                                         stop_ids, feedback)
-    seeds = stage_seeds(seed, example_ids, "redo")
-    redo = mixture_loop(model, x_context, x2_context, config.lam, config.topk, redo_policy(config, policy), seeds,
-                        stop_ids)
+    stages, x_context, x2_context, usage = redo_contexts(engine, prompts, example_ids, config, policy, seed, feedback)
+    redos = engine.mix_redo(x_context, x2_context, stage_seeds(seed, example_ids, "redo"), config.lam, config.topk,
+                            redo_policy(config, policy))
     mode = "self" if feedback is None else config.feedback
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    return [redo_result(stages, i, products, usage[i], config.lam, mode, decode, stop_ids)
-            for i, products in enumerate(redo)]
+    results = []
+    for i, redo in enumerate(redos):
+        result = redo_result(stages, i, redo, usage[i], config.lam, mode, engine)
+        result.meta["engine"] = {"name": engine.name, "retries": redo.retries}
+        results.append(result)
+    return results
 
 
 def redo_contexts(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
+    engine: Engine,
     prompts: Sequence[str],
     example_ids: Sequence[str],
     config: RedumixConfig,
     policy: SamplingPolicy,
     seed: int,
-    stop_ids: Sequence[int],
     feedback: FeedbackFn | None,
-) -> tuple[RedoStages, DecodeState, DecodeState, list[Usage]]:
-    """Stages 1-3 (attempt, feedback, reflection) and the redo's two contexts: x's cache and x2's, ready for
-    `mixture_loop`. The redo may be decoded from them more than once (at several λ) from `clone`s."""
-    pad_id = tokenizer.pad_token_id
+) -> tuple[RedoStages, Contexts, Contexts, list[Usage]]:
+    """Stages 1-3 (attempt, feedback, reflection) and the redo's two contexts, x and x2, ready for
+    `engine.mix_redo`; the redo may be decoded from them more than once (at several λ) from `engine.fork`s.
+
+    The prefill and FPE counts are those of a cache that grows in place, positions the model must read once, on
+    either engine (an engine that re-sends prefixes finds them in its prefix cache)."""
+    tokenizer, stop_ids = engine.tokenizer, engine.stop_ids
     seeds = {stage: stage_seeds(seed, example_ids, stage) for stage in ("attempt", "critique", "reflect")}
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     usage = [Usage() for _ in prompts]
 
-    # --- stage 1: y1 = generate(x), keeping the cache; x's own cache is kept aside as the redo's first context ---
+    # --- stage 1: y1 = generate(x), keeping the context; x's own context is kept aside as the redo's first ---
     x_ids = [template_pieces(tokenizer, attempt_messages(p))[0] for p in prompts]
-    state = prefill(model, x_ids, pad_id)
-    x_context = clone(state)
-    stage1 = sample_loop(model, state, policy, seeds["attempt"], stop_ids, keep_state=True)
-    attempts, state = stage1.generations, stage1.state
+    state = engine.open(x_ids)
+    x_context = engine.fork(state)
+    attempts, state = engine.continue_turn(state, seeds["attempt"], policy, policy.max_new_tokens, keep=True)
     y1 = [g.content_ids(stop_ids) for g in attempts]
     y1_text = [decode(ids) for ids in y1]
     for u, x, g in zip(usage, x_ids, attempts, strict=True):
         u.prefill_tokens += len(x)
         u.fpe += len(x) + g.usage.fpe
 
-    # --- stage 2: feedback r ---
+    # --- stage 2: feedback r, from the task or the model's own critique of [x ‖ y1] (on a fork: c goes on from y1) ---
     if feedback is None:
-        r_text = critiques(model, tokenizer, state, attempts, y1, prompts, y1_text, config.critique_max_tokens,
-                           policy, seeds["critique"], stop_ids, usage)
+        pieces = [template_pieces(tokenizer, critique_messages(p, t))[-1] for p, t in zip(prompts, y1_text,
+                                                                                           strict=True)]
+        found, _ = next_turn(engine, engine.fork(state), attempts, y1, pieces, seeds["critique"], policy,
+                             config.critique_max_tokens, usage, keep=False)
+        r_text = [decode(g.content_ids(stop_ids)) for g in found]
     else:
         r_text = [feedback(i, t) for i, t in enumerate(y1_text)]
 
-    # --- stage 3: c = generate([x ‖ y1 ‖ r ‖ REFLECT]), compressing y1 where x2 would overflow the window ---
+    # --- stage 3: c = generate([x ‖ y1 ‖ r ‖ REFLECT]), y1 cut where x2 would overflow the window ---
     reflect_convs = [reflect_messages(p, t, r) for p, t, r in zip(prompts, y1_text, r_text, strict=True)]
     reflect_pieces = [template_pieces(tokenizer, conv)[-1] for conv in reflect_convs]  # from y1's close to c's open
-    state, cut = _fit_window(
-        model, tokenizer, state, attempts, y1, x_ids, reflect_convs, reflect_pieces, config, policy, usage
-    )
+    cut = window_cuts(engine.window, tokenizer, y1, x_ids, reflect_convs, reflect_pieces,
+                      REDO_INSTRUCTIONS[config.instruction], config.reflection_max_tokens, policy.max_new_tokens)
     y1_in_context = [ids[n:] for ids, n in zip(y1, cut, strict=True)]
-    reflections, state = next_turn(
-        model, tokenizer, state, attempts, y1_in_context, stop_ids, policy, seeds["reflect"], reflect_pieces,
-        config.reflection_max_tokens, usage, keep_state=True, cut=cut,
-    )
+    prefixes = [x2_prefix(x, ids, n, tokenizer) for x, ids, n in zip(x_ids, y1_in_context, cut, strict=True)]
+    recut = [i for i, n in enumerate(cut) if n]  # a cut row's prefix changed: it is re-encoded whole
+    state = engine.reopen(state, recut, [prefixes[i] for i in recut])
+    for i in recut:
+        usage[i].prefill_tokens += len(prefixes[i])
+        usage[i].fpe += len(prefixes[i])
+    reflections, state = next_turn(engine, state, attempts, y1_in_context, reflect_pieces, seeds["reflect"], policy,
+                                   config.reflection_max_tokens, usage, keep=True, cut=cut)
     c = [g.content_ids(stop_ids) for g in reflections]
     c_text = [decode(ids) for ids in c]
 
-    # --- the redo's contexts: x2 = [x ‖ y1 ‖ r ‖ c ‖ REDO], and x's cache kept from stage 1 ---
+    # --- the redo's contexts: x2 = [x ‖ y1 ‖ r ‖ c ‖ REDO], and x's kept from stage 1 ---
     redo_convs = [redo_messages(p, t, r, ct, REDO_INSTRUCTIONS[config.instruction])
                   for p, t, r, ct in zip(prompts, y1_text, r_text, c_text, strict=True)]
     redo_pieces = [template_pieces(tokenizer, conv)[2] for conv in redo_convs]  # from c's close to the redo's open
     segments = [ids[g.cached :] + piece for ids, g, piece in zip(c, reflections, redo_pieces, strict=True)]
-    state = extend(model, state, segments, pad_id)
+    state = engine.extend(state, segments)
     for u, seg in zip(usage, segments, strict=True):
         u.prefill_tokens += len(seg)
         u.fpe += len(seg)
-    x2_ids = [
-        x2_prefix(x, ids, n, tokenizer) + tpl_reflect + ct + tpl_redo
-        for x, ids, n, tpl_reflect, ct, tpl_redo in zip(
-            x_ids, y1_in_context, cut, reflect_pieces, c, redo_pieces, strict=True
-        )
-    ]
+    x2_ids = [pre + tpl_reflect + ct + tpl_redo
+              for pre, tpl_reflect, ct, tpl_redo in zip(prefixes, reflect_pieces, c, redo_pieces, strict=True)]
     stages = RedoStages(x_ids, attempts, y1, y1_text, r_text, reflections, c, c_text, cut, x2_ids,
-                        state.lengths.tolist())
+                        engine.lengths(state))
     return stages, x_context, state, usage
+
+
+def next_turn(
+    engine: Engine,
+    contexts: Contexts,
+    previous: list[Generation],
+    previous_ids: list[list[int]],
+    pieces: list[list[int]],
+    seeds: Sequence[int],
+    policy: SamplingPolicy,
+    max_tokens: int,
+    usage: list[Usage],
+    keep: bool,
+    cut: Sequence[int] | None = None,
+) -> tuple[list[Generation], Contexts | None]:
+    """Close the previous assistant turn, add the next user turn, and generate the next assistant turn.
+
+    The segment fed is what of the previous turn the context does not hold yet, then the template's text up to the
+    new assistant turn: `pieces`, per row, the last template piece of the conversation that turn answers.
+    """
+    segments = []
+    for i, (gen, ids, piece) in enumerate(zip(previous, previous_ids, pieces, strict=True)):
+        already = len(ids) if cut is not None and cut[i] else gen.cached  # a cut row's y1 was re-encoded whole
+        segments.append(ids[already:] + piece)
+    gens, contexts = engine.continue_turn(engine.extend(contexts, segments), seeds, policy, max_tokens, keep)
+    for u, seg, g in zip(usage, segments, gens, strict=True):
+        u.prefill_tokens += len(seg)
+        u.fpe += len(seg) + g.usage.fpe
+    return gens, contexts
 
 
 @dataclass
@@ -233,15 +262,14 @@ class RedoStages:
 def redo_result(
     stages: RedoStages,
     i: int,
-    redo: tuple[Generation, list[list[int]], list[list[float]], list[float]],
+    redo: MixedRedo,
     usage: Usage,
     lam: float,
     feedback: str,
-    decode: Callable[[list[int]], str],
-    stop_ids: Sequence[int],
+    engine: Engine,
 ) -> RedumixResult:
     """Example i's result, its usage completed with the redo."""
-    gen, topk_ids, topk_lp, tail_lp = redo
+    gen, topk_ids, topk_lp, tail_lp = redo.generation, redo.topk_ids, redo.topk_logprobs, redo.tail_logprobs
     attempt, reflection = stages.attempts[i], stages.reflections[i]
     usage.fpe += gen.usage.fpe
     usage.generated_tokens = sum(len(g.token_ids) for g in (attempt, reflection, gen))
@@ -252,7 +280,7 @@ def redo_result(
         feedback=stages.r_text[i],
         reflection=stages.c_text[i],
         reflection_ids=stages.c[i],
-        redo=decode(gen.content_ids(stop_ids)),
+        redo=engine.tokenizer.decode(gen.content_ids(engine.stop_ids), skip_special_tokens=True),
         redo_token_ids=gen.token_ids,
         topk_ids=topk_ids,
         topk_logprobs=topk_lp,
@@ -277,84 +305,13 @@ def redo_result(
     )
 
 
-def x2_prefix(x: list[int], y1: list[int], cut: int, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """x ‖ y1 as the cache holds it: a row whose y1 was cut to fit the window holds x ‖ note ‖ the rest of y1."""
-    if not cut:
-        return x + y1
-    return x + tokenizer(COMPRESSION_NOTE, add_special_tokens=False)["input_ids"] + y1
-
-
 def redo_policy(config: RedumixConfig, policy: SamplingPolicy) -> SamplingPolicy:
     """The redo's policy: `policy` at redumix.redo_temperature where that is set."""
     return policy if config.redo_temperature is None else replace(policy, temperature=config.redo_temperature)
 
 
-def stage_seeds(global_seed: int, example_ids: Sequence[str], stage: str) -> torch.Tensor:
-    return torch.tensor([example_seed(global_seed, f"{eid}/{stage}") for eid in example_ids], dtype=torch.long)
-
-
-def window_cuts(
-    window: int | None,
-    tokenizer: PreTrainedTokenizerBase,
-    y1: list[list[int]],
-    x_ids: list[list[int]],
-    reflect_convs: list[list[dict]],
-    reflect_pieces: list[list[int]],
-    config: RedumixConfig,
-    policy: SamplingPolicy,
-) -> list[int]:
-    """Tokens of y1 to cut per row so that x2 and the redo fit the window (the vLLM harvest uses it too)."""
-    if not window:
-        return [0] * len(y1)
-    # Worst case of x2 plus the redo: x ‖ y1 ‖ r + REFLECT ‖ c (at its cap) ‖ REDO ‖ y (at its cap).
-    redo_piece = [
-        template_pieces(tokenizer, [*conv, {"role": "assistant", "content": ""},
-                                    {"role": "user", "content": REDO_INSTRUCTIONS[config.instruction]}])[2]
-        for conv in reflect_convs
-    ]
-    note_len = len(tokenizer(COMPRESSION_NOTE, add_special_tokens=False)["input_ids"])
-    cut = []
-    for x, ids, piece1, piece2 in zip(x_ids, y1, reflect_pieces, redo_piece, strict=True):
-        worst = len(x) + len(ids) + len(piece1) + config.reflection_max_tokens + len(piece2) + policy.max_new_tokens
-        overflow = worst - window
-        # An attempt no longer than the note cannot be shortened by replacing its start with the note.
-        cut.append(0 if overflow <= 0 or len(ids) <= note_len else min(len(ids), overflow + note_len))
-    return cut
-
-
-def _fit_window(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    state: DecodeState,
-    attempts: list[Generation],
-    y1: list[list[int]],
-    x_ids: list[list[int]],
-    reflect_convs: list[list[dict]],
-    reflect_pieces: list[list[int]],
-    config: RedumixConfig,
-    policy: SamplingPolicy,
-    usage: list[Usage],
-) -> tuple[DecodeState, list[int]]:
-    """Cut the earliest tokens of y1 where x2 could outgrow the window. Returns the state and tokens cut per row.
-
-    A cut row cannot reuse its cache (its prefix changed): it is re-encoded as x ‖ note ‖ tail of y1, and the
-    stage-3 segment for it is then only the template text after y1.
-    """
-    window = getattr(model.config, "max_position_embeddings", None)
-    cut = window_cuts(window, tokenizer, y1, x_ids, reflect_convs, reflect_pieces, config, policy)
-    if not any(cut):
-        return state, cut
-    note = tokenizer(COMPRESSION_NOTE, add_special_tokens=False)["input_ids"]
-    keep = [i for i, n in enumerate(cut) if n == 0]
-    redo_rows = [i for i, n in enumerate(cut) if n]
-    fresh = prefill(model, [x_ids[i] + note + y1[i][cut[i] :] for i in redo_rows], tokenizer.pad_token_id)
-    for i in redo_rows:
-        usage[i].prefill_tokens += len(x_ids[i]) + len(note) + len(y1[i]) - cut[i]
-        usage[i].fpe += len(x_ids[i]) + len(note) + len(y1[i]) - cut[i]
-    parts = ([select(state, keep)] if keep else []) + [fresh]
-    order = keep + redo_rows
-    merged = merge(parts)
-    return select(merged, [order.index(i) for i in range(len(order))]), cut
+def stage_seeds(global_seed: int, example_ids: Sequence[str], stage: str) -> list[int]:
+    return [example_seed(global_seed, f"{eid}/{stage}") for eid in example_ids]
 
 
 # --- the decoder ----------------------------------------------------------------------------------------------------
@@ -369,12 +326,14 @@ class RedumixDecoder:
     policy: SamplingPolicy
     seed: int
 
-    def __call__(self, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], task: Task) -> list[Decoded]:
+    needs_hf_engine = False
+
+    def __call__(self, engine: Engine, examples: Sequence[Example], task: Task) -> list[Decoded]:
         if self.config.feedback == "human":
             raise ValueError("eval runs ReDuMix with verifier or self feedback; human feedback is for the harvest")
         feedback = task_feedback(self.config.feedback, task, examples, self.seed)
-        results = redumix_generate(model, tokenizer, [e.prompt for e in examples], [e.id for e in examples],
-                                   self.config, self.policy, self.seed, stop_token_ids(model, tokenizer), feedback)
+        results = redumix_generate(engine, [e.prompt for e in examples], [e.id for e in examples], self.config,
+                                   self.policy, self.seed, feedback)
         return [
             Decoded(r.redo, r.redo_token_ids, r.usage, {
                 "original": r.original, "feedback": r.feedback, "reflection": r.reflection, "lam": r.meta["lam"],

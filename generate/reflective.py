@@ -60,7 +60,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from redumix.data.task import Example, Task
-from redumix.generate.decoder import Decoded, Model, Tokenizer, attempt_prompts, example_seeds
+from redumix.generate.decoder import Decoded, attempt_prompts, example_seeds
+from redumix.generate.engine import Engine
+from redumix.generate.hf_engine import hf_parts
 from redumix.generate.model_io import stop_token_ids
 from redumix.generate.policy import SamplingPolicy
 from redumix.generate.reflective_config import ReflectiveConfig  # the config and the eval import it from here
@@ -80,7 +82,10 @@ class ReflectiveDecoder:
     policy: SamplingPolicy
     seed: int
 
-    def __call__(self, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], task: Task) -> list[Decoded]:
+    needs_hf_engine = True  # it reads the cache token by token to decide when to reflect
+
+    def __call__(self, engine: Engine, examples: Sequence[Example], task: Task) -> list[Decoded]:
+        model, tokenizer = hf_parts(engine)
         results = reflective_generate(model, tokenizer, attempt_prompts(tokenizer, examples), self.policy,
                                       example_seeds(self.seed, examples, self.name),
                                       stop_token_ids(model, tokenizer), tokenizer.pad_token_id, self.config)

@@ -50,12 +50,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from redumix.data.task import Example, Task
 from redumix.generate.accounting import Usage
-from redumix.generate.decoder import Decoded, Model, Tokenizer, attempt_prompts, example_seeds
+from redumix.generate.decoder import Decoded, attempt_prompts, example_seeds
+from redumix.generate.engine import Engine
+from redumix.generate.hf_engine import HfEngine, hf_parts
 from redumix.generate.loop import should_compact
 from redumix.generate.model_io import DTYPES, ModelConfig, load_tokenizer, load_weights, stop_token_ids
 from redumix.generate.plain import PlainDecoder
 from redumix.generate.policy import SamplingPolicy, uniform_noise
 from redumix.generate.state import COMPILED_FORWARD, DecodeState, extend, merge, prefill, select, use_compiled_decoding
+from redumix.generate.tail_text import text_ends_with
 
 
 @dataclass
@@ -130,21 +133,8 @@ class SpeculativeResult:
 
 
 def ends_with_delimiter(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], delimiters: Sequence[str]) -> bool:
-    """Whether the decoded `ids` (special tokens kept) end with one of `delimiters`; never for no ids.
-
-    Decodes only a tail: one char per token is assumed plus two spare tokens, so that a token cut at the window's
-    start (a split UTF-8 byte of a byte-level BPE) cannot change the end; the window doubles while its text is still
-    too short, so a delimiter that spans tokens is found.
-    """
-    if not ids:
-        return False
-    longest = max(len(d) for d in delimiters)
-    n = longest + 2
-    while True:
-        text = tokenizer.decode(list(ids[-n:]), skip_special_tokens=False)
-        if len(text) >= longest + 2 or n >= len(ids):
-            return text.endswith(tuple(delimiters))
-        n *= 2
+    """Whether the decoded `ids` (special tokens kept) end with one of `delimiters`; never for no ids."""
+    return bool(ids) and text_ends_with(tokenizer, ids, delimiters, skip_special_tokens=False)
 
 
 def opens_with_trigger(token_text: str, triggers: Sequence[str]) -> bool:
@@ -367,7 +357,10 @@ class SpeculativeDecoder:
     guide_identity: str  # changes when the guide's weights do, so that its records are redone
     trust_remote_code: bool = False
 
-    def __call__(self, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], task: Task) -> list[Decoded]:
+    needs_hf_engine = True  # two models hand one cache between them, token by token
+
+    def __call__(self, engine: Engine, examples: Sequence[Example], task: Task) -> list[Decoded]:
+        model, tokenizer = hf_parts(engine)
         guide = load_guide(self.guide, self.guide_identity, model, tokenizer, self.trust_remote_code)
         stop_ids = sorted(set(stop_token_ids(model, tokenizer)) | set(stop_token_ids(guide, tokenizer)))
         results = speculative_generate(model, guide, tokenizer, attempt_prompts(tokenizer, examples),
@@ -389,9 +382,12 @@ class GuideGreedyDecoder:
     guide_identity: str
     trust_remote_code: bool = False
 
-    def __call__(self, model: Model, tokenizer: Tokenizer, examples: Sequence[Example], task: Task) -> list[Decoded]:
+    needs_hf_engine = True  # two models hand one cache between them, token by token
+
+    def __call__(self, engine: Engine, examples: Sequence[Example], task: Task) -> list[Decoded]:
+        model, tokenizer = hf_parts(engine)
         guide = load_guide(self.guide, self.guide_identity, model, tokenizer, self.trust_remote_code)
-        outputs = PlainDecoder(self.name, self.policy, self.seed)(guide, tokenizer, examples, task)
+        outputs = PlainDecoder(self.name, self.policy, self.seed)(HfEngine(guide, tokenizer), examples, task)
         for out in outputs:
             visible = out.usage.visible_tokens
             out.extra = {"fpe_small": 0, "fpe_guide": out.usage.fpe, "tokens_small": 0, "tokens_guide": visible,

@@ -28,10 +28,15 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
+from transformers import PreTrainedTokenizerBase
+
 from redumix.common.ranks import rank, world_size
+from redumix.generate.engine import MixedRedo
 from redumix.generate.loop import Generation, generation_from
+from redumix.generate.model_io import folder_stop_ids, load_tokenizer
 from redumix.generate.policy import SamplingPolicy
 
 # The CPU attention kernel's head sizes (vLLM 0.32's CPUAttentionBackend.get_supported_head_sizes); asked of vLLM
@@ -41,7 +46,7 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 @dataclass
 class VllmSettings:
-    """`vllm`: the engine that `harvest.engine=vllm` decodes with (docs/multiprocess-and-gpus.md)."""
+    """`vllm`: the engine that `engine=vllm` decodes with (docs/multiprocess-and-gpus.md)."""
 
     max_num_seqs: int = field(
         default=64, metadata={"help": "Requests vLLM runs at once; a wave of ReDuMix pairs holds half as many pairs."}
@@ -129,17 +134,6 @@ def check_engine_ranks(settings: VllmSettings, key: str) -> tuple[int, int]:
     return rank() // tp, world // tp
 
 
-@dataclass
-class MixedRedo:
-    """One pair's redo: the generation and, per token, the top-k of p_mix and the log of its tail."""
-
-    generation: Generation
-    topk_ids: list[list[int]]
-    topk_logprobs: list[list[float]]
-    tail_logprobs: list[float]
-    retries: int  # times this pair was split and decoded again
-
-
 def _vllm_classes() -> tuple[type, type]:
     """vLLM's LLM and the pair mixer, imported on a thread of their own. Importing vLLM keeps the importing stack
     alive for good (vllm.multimodal.media.audio keeps an ImportError with its traceback), and with it the locals
@@ -159,10 +153,14 @@ def _vllm_classes() -> tuple[type, type]:
 
 
 class VllmEngine:
-    """An in-process `vllm.LLM` over a local Hugging Face folder, with the pair mixer loaded."""
+    """An in-process `vllm.LLM` over a local Hugging Face folder, with the pair mixer loaded: the engine protocol
+    (engine.py) with each context kept as its token ids, re-sent whole with every request."""
+
+    name = "vllm"
 
     def __init__(self, path: str | Path, settings: VllmSettings, dtype: str, seed: int, device: str = "cpu",
-                 trust_remote_code: bool = False, key: str = "harvest.engine") -> None:
+                 trust_remote_code: bool = False, key: str = "engine") -> None:
+        self.path, self.trust_remote_code = Path(path), trust_remote_code
         on_cpu = not device.startswith("cuda")
         check_engine_model(path, key, on_cpu)
         # `model.dtype: auto` as the Hugging Face path reads it (bf16 where the hardware computes it), not vLLM's
@@ -224,6 +222,55 @@ class VllmEngine:
             return
         del self.llm
         gc.collect()
+
+    # --- the engine protocol -------------------------------------------------------------------------------------
+
+    @cached_property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return load_tokenizer(self.path, self.trust_remote_code)
+
+    @cached_property
+    def stop_ids(self) -> list[int]:
+        return folder_stop_ids(self.path, self.tokenizer, self.trust_remote_code)
+
+    @cached_property
+    def window(self) -> int | None:
+        return json.loads((self.path / "config.json").read_text()).get("max_position_embeddings")
+
+    def sample(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
+               policy: SamplingPolicy) -> list[Generation]:
+        gens = self.generate(prompts, seeds, policy, self.stop_ids, policy.max_new_tokens)
+        for gen, prompt in zip(gens, prompts, strict=True):  # the prompt counts, as HfEngine.sample counts it
+            gen.usage.prefill_tokens = len(prompt)
+            gen.usage.fpe += len(prompt)
+        return gens
+
+    def open(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        return [list(p) for p in prompts]
+
+    def extend(self, contexts: list[list[int]], segments: Sequence[Sequence[int]]) -> list[list[int]]:
+        return [ids + list(seg) for ids, seg in zip(contexts, segments, strict=True)]
+
+    def continue_turn(self, contexts: list[list[int]], seeds: Sequence[int], policy: SamplingPolicy, max_tokens: int,
+                      keep: bool) -> tuple[list[Generation], list[list[int]] | None]:
+        gens = self.generate(contexts, seeds, policy, self.stop_ids, max_tokens)
+        grown = [ids + g.token_ids[: g.cached] for ids, g in zip(contexts, gens, strict=True)] if keep else None
+        return gens, grown
+
+    def fork(self, contexts: list[list[int]]) -> list[list[int]]:
+        return [list(ids) for ids in contexts]
+
+    def reopen(self, contexts: list[list[int]], rows: Sequence[int], prompts: Sequence[Sequence[int]]
+               ) -> list[list[int]]:
+        fresh = dict(zip(rows, prompts, strict=True))
+        return [list(fresh[i]) if i in fresh else ids for i, ids in enumerate(contexts)]
+
+    def lengths(self, contexts: list[list[int]]) -> list[int]:
+        return [len(ids) for ids in contexts]
+
+    def mix_redo(self, x: list[list[int]], x2: list[list[int]], seeds: Sequence[int], lam: float, topk: int,
+                 policy: SamplingPolicy) -> list[MixedRedo]:
+        return self.mix(x, x2, seeds, lam, topk, policy, self.stop_ids, policy.max_new_tokens)
 
     # --- plain requests: the harvest's attempt, critique and reflection; eval's single-context decoders ----------
 

@@ -15,13 +15,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from redumix.generate.cntp import CntpConfig, CntpDecoder
 from redumix.generate.decoder import Decoder
+from redumix.generate.model_io import ModelConfig
 from redumix.generate.moi import MoiConfig, MoiDecoder
 from redumix.generate.pdr import PdrConfig, PdrDecoder
 from redumix.generate.plain import PlainDecoder
+from redumix.generate.policy import SamplingPolicy
 from redumix.generate.redumix import RedumixConfig, RedumixDecoder
 from redumix.generate.reflective import ReflectiveConfig, ReflectiveDecoder
 from redumix.generate.reflective_tuning import matched_ablations
@@ -30,11 +32,40 @@ from redumix.generate.speculative import GuideGreedyDecoder, SpeculativeConfig, 
 from redumix.pipeline.lineage import model_id
 from redumix.pipeline.run import in_repo
 
-if TYPE_CHECKING:  # for types only: Config's eval section takes its default and help from this table
-    from redumix.pipeline.config import Config
+
+class _EvalSettings(Protocol):
+    @property
+    def sample_temperature(self) -> float: ...
+
+
+class Config(Protocol):
+    """What the factories read of the resolved config (pipeline/config.py's `Config` has all of it). A protocol, so
+    that this table, which Config's eval section takes its default and help from, never imports Config back."""
+
+    @property
+    def seed(self) -> int: ...
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def sampling(self) -> SamplingPolicy: ...
+    @property
+    def eval(self) -> _EvalSettings: ...
+    @property
+    def redumix(self) -> RedumixConfig: ...
+    @property
+    def moi(self) -> MoiConfig: ...
+    @property
+    def cntp(self) -> CntpConfig: ...
+    @property
+    def pdr(self) -> PdrConfig: ...
+    @property
+    def reflective(self) -> ReflectiveConfig: ...
+    @property
+    def speculative(self) -> SpeculativeConfig: ...
+
 
 # (config, the decoder's name as listed, records of the decoders already run on this checkpoint) -> decoder
-DecoderFactory = Callable[["Config", str, dict[str, list[dict]]], Decoder]
+DecoderFactory = Callable[[Config, str, dict[str, list[dict]]], Decoder]
 
 
 @dataclass(frozen=True)

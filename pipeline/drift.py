@@ -24,9 +24,9 @@ from redumix.common.files import read_jsonl
 from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages
 from redumix.generate.model_io import load_model
-from redumix.generate.plain import plain_sampler
 from redumix.generate.policy import SamplingPolicy
 from redumix.pipeline.config import Config
+from redumix.pipeline.engines import batch_size, open_engine
 from redumix.train.data import end_of_turn_ids
 from redumix.train.onpolicy import context_logits
 
@@ -70,16 +70,15 @@ def task_answers(tokenizer, records: list[dict]) -> tuple[list[list[int]], list[
 
 def greedy_answers(config: Config, model_path: Path, questions: Sequence[str]) -> list[list[int]]:
     """The model's greedy answer ids to each question asked as a chat turn (the stop token kept when it stopped), on
-    the engine that `eval.engine` names: the base's answers are the evaluation's longest decode outside the test."""
+    recipe's `engine`: the base's answers are the evaluation's longest decode outside the test."""
     policy = SamplingPolicy(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=config.sampling.max_new_tokens)
-    sampler = plain_sampler(model_path, config.model, config.vllm, config.eval.engine, config.seed, policy,
-                            key="eval.engine")
-    batch = config.vllm.max_num_seqs if config.eval.engine == "vllm" else 16
+    engine = open_engine(config, model_path)
+    batch = batch_size(config, 16)
     answers = []
     for start in tqdm(range(0, len(questions), batch), desc="drift: the base's answers off the task", unit="batch"):
-        prompts = [prompt_ids(sampler.tokenizer, attempt_messages(q)) for q in questions[start : start + batch]]
-        answers += [g.token_ids for g in sampler.generate(prompts, [0] * len(prompts))]
-    sampler.close()
+        prompts = [prompt_ids(engine.tokenizer, attempt_messages(q)) for q in questions[start : start + batch]]
+        answers += [g.token_ids for g in engine.sample(prompts, [0] * len(prompts), policy)]
+    engine.close()
     return answers
 
 

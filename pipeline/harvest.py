@@ -5,8 +5,8 @@ examples [k·S, (k+1)·S). A rank owns the shards k ≡ rank (mod world size) an
 A shard appears atomically and its rows do not depend on which process made it or what ran before (sampling is
 seeded per example and per stage, and batches are cut inside the shard). So a rerun after a crash, or a run on
 another number of processes, produces the same rows, and `manifest.json`, written last by rank 0, marks the stage
-complete. The fingerprint of the config sections that decide the rows guards against mixing shards of two configs.
-With `harvest.engine=vllm` the unit is an engine's group of `vllm.tensor_parallel_size` ranks (one rank unless a
+complete. The fingerprint of the record of what decides the rows guards against mixing shards of two configs.
+With `engine: vllm` the unit is an engine's group of `vllm.tensor_parallel_size` ranks (one rank unless a
 model needs several devices): a group owns the shards k ≡ group (mod groups), and its first rank writes them.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -33,18 +32,17 @@ from redumix.data.shards import (
 )
 from redumix.data.task import Example, Task
 from redumix.data.tasks import make_task
-from redumix.generate.model_io import folder_stop_ids, load_model, load_tokenizer, pick_device, stop_token_ids
 from redumix.generate.redumix import FeedbackFn, RedumixResult, redumix_generate, task_feedback
-from redumix.generate.vllm_engine import VllmEngine, check_engine_model, check_engine_ranks
 from redumix.pipeline.config import Config
 from redumix.pipeline.embedded_stage import ensure_embedded
+from redumix.pipeline.engines import builds_collectively, check_engine, open_engine
 from redumix.pipeline.harvest_folder import (
-    check_fingerprint,
+    accept_folder,
     claim_folder,
     format_summary,
     harvest_fingerprint,
     harvest_manifest,
-    harvest_settings,
+    harvest_record,
 )
 from redumix.pipeline.preflight import check_inputs
 from redumix.pipeline.run import RunDir, model_path
@@ -54,13 +52,13 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
     """Harvest `task` (by default the one `config.task` names) into RUN_DIR/harvest."""
     task = task or make_task(config.task, config.seed)
     out = run.harvest
-    settings = harvest_settings(config, task)
+    record = harvest_record(config, task)
     fingerprint = harvest_fingerprint(config, task)
     manifest_path = out / "manifest.json"
     init_distributed()
     if manifest_path.exists():
         manifest = read_json(manifest_path)
-        check_fingerprint(manifest.get("fingerprint"), fingerprint, out, settings)
+        accept_folder(out, record, manifest.get("fingerprint"))
         bad = bad_shards(out, manifest.get("shard_files", {}))
         if not bad:
             print0(f"harvest: complete ({manifest_path}), skipping. Delete {out} to harvest again.")
@@ -86,27 +84,21 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
         )
     if config.redumix.feedback == "human":
         _check_human_feedback(config.redumix.feedback_file, examples)
-    group, groups = rank(), world_size()  # who shares a shard: each rank alone, or an engine's ranks
-    if config.harvest.engine == "vllm":  # before the folder is claimed: a model vLLM cannot run is refused first
-        on_cpu = pick_device(config.model.device).type == "cpu"
-        check_engine_model(model_path(config.model.path, run), "harvest.engine", on_cpu)
-        group, groups = check_engine_ranks(config.vllm, "harvest.engine")
+    group, groups = check_engine(config, run)  # who shares a shard: each rank alone, or an engine's ranks
     check_inputs(config.model, model_path(config.model.path, run), examples, config.sampling.max_new_tokens)
-    claim_folder(out, config, fingerprint, settings)
+    accepted = claim_folder(out, config, record)  # this run's fingerprint, and a migrated folder's older one
 
     rows_per_shard = config.harvest.shard_rows
     n_shards = math.ceil(len(examples) / rows_per_shard)
     if rank() == 0:
-        _drop_unusable_shards(out, n_shards, examples, rows_per_shard, fingerprint)
+        _drop_unusable_shards(out, n_shards, examples, rows_per_shard, accepted)
     barrier()
     mine = [k for k in range(n_shards) if k % groups == group]
     todo = [k for k in mine if not (out / shard_name(k)).exists()]
     if len(todo) < len(mine):
         print0(f"harvest: resuming, {len(mine) - len(todo)} of {len(mine)} shards already on disk")
 
-    # vLLM's ranks all build their engines, work or not: the build is a collective over the ranks (the external
-    # launcher all-reduces the memory it finds), and a rank that skipped it would leave the others waiting.
-    if todo or (config.harvest.engine == "vllm" and world_size() > 1):
+    if todo or builds_collectively(config):
         ranks_per_group = world_size() // groups
         harvest_shards(config, run, task, examples, todo, writes=rank() % ranks_per_group == 0)
     barrier()
@@ -118,7 +110,7 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
 
 
 def _drop_unusable_shards(
-    out: Path, n_shards: int, examples: list[Example], rows_per_shard: int, fingerprint: str
+    out: Path, n_shards: int, examples: list[Example], rows_per_shard: int, accepted: frozenset[str]
 ) -> None:
     """Delete the shards on disk that this run cannot take in, each with a message naming it, so the resume redoes
     them: one that does not read whole, holds other examples, or whose rows' own `meta.fingerprint` is another
@@ -132,13 +124,13 @@ def _drop_unusable_shards(
         if not path.exists():
             continue
         wanted = [e.id for e in examples[k * rows_per_shard : (k + 1) * rows_per_shard]]
-        problem = _shard_problem(path, wanted, fingerprint)
+        problem = _shard_problem(path, wanted, accepted)
         if problem:
             print0(f"harvest: {path.name} {problem}; redoing it")
             path.unlink()
 
 
-def _shard_problem(path: Path, ids: list[str], fingerprint: str) -> str | None:
+def _shard_problem(path: Path, ids: list[str], accepted: frozenset[str]) -> str | None:
     if readable_rows(path) != len(ids):
         return f"is damaged (does not read as {len(ids)} rows)"
     try:
@@ -147,10 +139,10 @@ def _shard_problem(path: Path, ids: list[str], fingerprint: str) -> str | None:
         return f"is not a shard this version of redumix reads ({exc})"
     if table["id"].to_pylist() != ids:
         return "holds other examples than this run's (it was made by another run)"
-    found = sorted({json.loads(meta).get("fingerprint") for meta in table["meta"].to_pylist()})
-    if found != [fingerprint]:
-        theirs = ", ".join(map(str, found))
-        return f"was made with another config (its rows' fingerprint {theirs}, this run's {fingerprint})"
+    found = {json.loads(meta).get("fingerprint") for meta in table["meta"].to_pylist()}
+    if not found <= accepted:
+        theirs, ours = ", ".join(sorted(map(str, found))), ", ".join(sorted(accepted))
+        return f"was made with another config (its rows' fingerprint {theirs}, this run's {ours})"
     return None
 
 
@@ -159,7 +151,7 @@ def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Examp
     """Harvest `shards` into RUN_DIR/harvest. `writes` is False on the ranks of a tensor-parallel engine but its
     first: they decode the same rows in step with it, and one copy of each shard is written."""
     path = model_path(config.model.path, run)
-    redumix_batch, engine = _redumix_batch(config, path)
+    engine = open_engine(config, path)
     size = config.harvest.shard_rows
     total = sum(len(examples[k * size : (k + 1) * size]) for k in shards)
     bar = tqdm(total=total, desc=f"harvest[rank {rank()}]", unit="ex", disable=rank() != 0 and world_size() > 1)
@@ -170,7 +162,8 @@ def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Examp
         for start in range(0, len(shard), config.harvest.batch_size):
             batch = shard[start : start + config.harvest.batch_size]
             began = time.perf_counter()
-            results = redumix_batch([e.prompt for e in batch], [e.id for e in batch], feedback_fn(config, task, batch))
+            results = redumix_generate(engine, [e.prompt for e in batch], [e.id for e in batch], config.redumix,
+                                       config.sampling, config.seed, feedback_fn(config, task, batch))
             seconds = (time.perf_counter() - began) / len(batch)
             made = [make_row(e, r, config, task, str(path), seconds) for e, r in zip(batch, results, strict=True)]
             rows += made
@@ -182,32 +175,7 @@ def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Examp
             atomic_write_bytes(run.harvest / shard_name(k), encode_shard(rows))
             log_metrics(run.metrics, "harvest", shard=k, rows=len(rows))
     bar.close()
-    if engine is not None:
-        engine.close()
-
-
-def _redumix_batch(
-    config: Config, path: Path
-) -> tuple[Callable[[list[str], list[str], FeedbackFn | None], list], VllmEngine | None]:
-    """ReDuMix on a batch (prompts, ids, feedback), on the engine that `harvest.engine` names, and the vLLM engine
-    to close after. Both draw with the same per-example noise, so their rows differ by float rounding only
-    (tests/test_vllm_harvest.py)."""
-    if config.harvest.engine == "vllm":
-        from redumix.generate.vllm_redumix import redumix_generate_vllm
-
-        tokenizer = load_tokenizer(path, config.model.trust_remote_code)
-        stop_ids = folder_stop_ids(path, tokenizer, config.model.trust_remote_code)
-        window = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
-        engine = VllmEngine(path, config.vllm, config.model.dtype, config.seed, str(pick_device(config.model.device)),
-                            config.model.trust_remote_code)
-        return lambda prompts, ids, feedback: redumix_generate_vllm(
-            engine, tokenizer, window, prompts, ids, config.redumix, config.sampling, config.seed, stop_ids, feedback
-        ), engine
-    model, tokenizer = load_model(path, config.model)
-    stop_ids = stop_token_ids(model, tokenizer)
-    return lambda prompts, ids, feedback: redumix_generate(
-        model, tokenizer, prompts, ids, config.redumix, config.sampling, config.seed, stop_ids, feedback
-    ), None
+    engine.close()
 
 
 def feedback_fn(config: Config, task: Task, batch: list[Example]) -> FeedbackFn | None:

@@ -15,16 +15,12 @@ docs/real-models.md holds the ladder over real models that this measures.
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from functools import partial
-from pathlib import Path
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict
 
 import torch
 from tqdm import tqdm
-from transformers import PreTrainedTokenizerBase
 
 from redumix.common.files import atomic_write_json, atomic_write_jsonl, atomic_write_text, read_jsonl
 from redumix.common.ranks import print0
@@ -32,14 +28,12 @@ from redumix.data.chat import template_pieces
 from redumix.data.prompts import attempt_messages
 from redumix.data.task import Example, Task
 from redumix.data.tasks import make_task
-from redumix.generate.mixture import mixture_loop
-from redumix.generate.model_io import folder_stop_ids, load_model, load_tokenizer, pick_device, stop_token_ids
-from redumix.generate.plain import generate_batch
+from redumix.generate.engine import Engine
+from redumix.generate.loop import Generation
 from redumix.generate.redumix import FeedbackFn, RedoStages, redo_contexts, redo_policy, stage_seeds, task_feedback
-from redumix.generate.state import clone
-from redumix.generate.vllm_engine import VllmEngine, check_engine_model
 from redumix.pipeline.config import Config
 from redumix.pipeline.embedded_stage import ensure_embedded
+from redumix.pipeline.engines import check_engine, open_engine
 from redumix.pipeline.harvest_folder import claim_settings
 from redumix.pipeline.run import RunDir, model_path
 from redumix.pipeline.stats import newcombe_paired_interval, wilson_interval
@@ -71,11 +65,10 @@ def run_ladder(config: Config, run: RunDir) -> None:
     todo = [e for e in examples if e.id not in records]
     wanted = resample_names(ladder.resamples)
     more = [e for e in examples if e.id in records and not set(wanted) <= set(records[e.id]["arms"])]
-    # Before the folder is claimed, a model vLLM cannot run is refused; a folder with every record written is only
-    # summarized, so it needs no engine (and no vLLM installed).
-    if ladder.engine == "vllm" and (todo or more):
-        on_cpu = pick_device(config.model.device).type == "cpu"
-        check_engine_model(model_path(config.model.path, run), "ladder.engine", on_cpu)
+    # Before the folder is claimed, a model the engine cannot run is refused; a folder with every record written is
+    # only summarized, so it needs no engine (and no vLLM installed).
+    if todo or more:
+        check_engine(config, run)
     out.mkdir(parents=True, exist_ok=True)
     claim_settings(out / "settings.json", _settings(config), "ladder records",
                    "use another --run-dir, or delete that folder to measure again")
@@ -85,20 +78,20 @@ def run_ladder(config: Config, run: RunDir) -> None:
     if todo or more:
         ensure_embedded(config, run)
         path = model_path(config.model.path, run)
-        decoding = vllm_decoding(config, path) if ladder.engine == "vllm" else hf_decoding(config, path)
+        engine = open_engine(config, path)
         for work, desc in ((todo, "ladder"), (more, "ladder: more resamples")):
             bar = tqdm(total=len(work), desc=desc, unit="problem", disable=not work)
             for start in range(0, len(work), ladder.batch_size):
                 batch = work[start : start + ladder.batch_size]
                 with torch.no_grad():
                     if work is todo:
-                        records |= {r["id"]: r for r in ladder_batch(decoding, task, batch, config)}
+                        records |= {r["id"]: r for r in ladder_batch(engine, task, batch, config)}
                     else:
-                        add_resamples(decoding, task, batch, [records[e.id] for e in batch], config)
+                        add_resamples(engine, task, batch, [records[e.id] for e in batch], config)
                 atomic_write_jsonl(records_path, records.values(), ensure_ascii=False)  # a crash loses one batch
                 bar.update(len(batch))
             bar.close()
-        decoding.close()
+        engine.close()
     rows = [records[e.id] for e in examples]
     summary = summarize_ladder(rows, arm_names(config))
     summary["settings"] = _settings(config)
@@ -111,97 +104,55 @@ def run_ladder(config: Config, run: RunDir) -> None:
 Texts = list[tuple[str, int]]  # per problem: a reply's text and its token count
 
 
-@dataclass
-class LadderDecoding:
-    """The ladder's two decodes on the engine that `ladder.engine` names. `redos(prompts, ids, feedback, lams)`:
-    stages 1-3 and one redo per λ from the same two contexts; `resamples(x_ids, ids, names)`: each named second
-    try from x alone. Each draws with the per-problem noise of its stage's seeds, whichever engine decodes."""
+def redos(engine: Engine, config: Config, prompts: list[str], ids: list[str], feedback: FeedbackFn | None,
+          lams: Sequence[float]) -> tuple[RedoStages, dict[float, Texts]]:
+    """Stages 1-3, then one redo per λ from the same two contexts (forks of them but for the last λ). Each stage
+    draws with its per-problem seeds, whichever engine decodes."""
+    stages, x, x2, _ = redo_contexts(engine, prompts, ids, config.redumix, config.sampling, config.seed, feedback)
+    seeds, policy = stage_seeds(config.seed, ids, "redo"), redo_policy(config.redumix, config.sampling)
+    found = {}
+    for k, lam in enumerate(lams):
+        contexts = (x, x2) if k == len(lams) - 1 else (engine.fork(x), engine.fork(x2))
+        redo = engine.mix_redo(*contexts, seeds, lam, config.redumix.topk, policy)
+        found[lam] = reply_texts(engine, (r.generation for r in redo))
+    return stages, found
 
-    tokenizer: PreTrainedTokenizerBase
-    redos: Callable[[list[str], list[str], FeedbackFn | None, Sequence[float]], tuple[RedoStages, dict[float, Texts]]]
-    resamples: Callable[[list[list[int]], list[str], Sequence[str]], dict[str, Texts]]
-    close: Callable[[], None]
 
-
-def hf_decoding(config: Config, path: Path) -> LadderDecoding:
-    """redumix's own loop: the redo at each λ from clones of the two caches that stages 1-3 left."""
-    model, tokenizer = load_model(path, config.model)
-    stop_ids = stop_token_ids(model, tokenizer)
+def resamples(engine: Engine, config: Config, x_ids: list[list[int]], ids: Sequence[str],
+              names: Sequence[str]) -> dict[str, Texts]:
+    """Each named second try from x alone, at the redo's temperature."""
     policy = redo_policy(config.redumix, config.sampling)
-    texts = partial(reply_texts, tokenizer, stop_ids)
-
-    def redos(prompts, ids, feedback, lams):
-        stages, x_context, x2_context, _ = redo_contexts(model, tokenizer, prompts, ids, config.redumix,
-                                                         config.sampling, config.seed, stop_ids, feedback)
-        seeds = stage_seeds(config.seed, ids, "redo")
-        found = {}
-        for k, lam in enumerate(lams):
-            last = k == len(lams) - 1  # the last λ may use up the contexts; the others decode from copies
-            contexts = (x_context, x2_context) if last else (clone(x_context), clone(x2_context))
-            found[lam] = texts(g for g, *_ in mixture_loop(model, *contexts, lam, config.redumix.topk, policy, seeds,
-                                                           stop_ids))
-        return stages, found
-
-    def resamples(x_ids, ids, names):
-        return {name: texts(generate_batch(model, x_ids, policy, resample_seeds(config, ids, name), stop_ids,
-                                           tokenizer.pad_token_id)) for name in names}
-
-    return LadderDecoding(tokenizer, redos, resamples, lambda: None)
-
-
-def vllm_decoding(config: Config, path: Path) -> LadderDecoding:
-    """vLLM's engine: stages 1-3 as requests, then the redo at each λ as paired requests over the same x and x2
-    (the prefix cache holds them after the first λ)."""
-    from redumix.generate.vllm_redumix import redo_stages_vllm
-
-    tokenizer = load_tokenizer(path, config.model.trust_remote_code)
-    stop_ids = folder_stop_ids(path, tokenizer, config.model.trust_remote_code)
-    window = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
-    engine = VllmEngine(path, config.vllm, config.model.dtype, config.seed, str(pick_device(config.model.device)),
-                        config.model.trust_remote_code, key="ladder.engine")
-    policy = redo_policy(config.redumix, config.sampling)
-    texts = partial(reply_texts, tokenizer, stop_ids)
-
-    def redos(prompts, ids, feedback, lams):
-        stages, _ = redo_stages_vllm(engine, tokenizer, window, prompts, ids, config.redumix, config.sampling,
-                                     config.seed, stop_ids, feedback)
-        seeds = stage_seeds(config.seed, ids, "redo").tolist()
-        return stages, {lam: texts(r.generation for r in engine.mix(
-            stages.x_ids, stages.x2_ids, seeds, lam, config.redumix.topk, policy, stop_ids, policy.max_new_tokens))
-            for lam in lams}
-
-    def resamples(x_ids, ids, names):
-        return {name: texts(engine.generate(x_ids, resample_seeds(config, ids, name), policy, stop_ids,
-                                            policy.max_new_tokens)) for name in names}
-
-    return LadderDecoding(tokenizer, redos, resamples, engine.close)
+    return {name: reply_texts(engine, engine.sample(x_ids, resample_seeds(config, ids, name), policy))
+            for name in names}
 
 
 def resample_seeds(config: Config, ids: Sequence[str], name: str) -> list[int]:
     """The first resample shares the redo's per-problem seeds; each later one has its own, so that a resample is the
     same whatever else runs with it (the rft arm's samples draw these too)."""
-    return stage_seeds(config.seed, ids, "redo" if name == RESAMPLE else name).tolist()
+    return stage_seeds(config.seed, ids, "redo" if name == RESAMPLE else name)
 
 
-def reply_texts(tokenizer: PreTrainedTokenizerBase, stop_ids: Sequence[int], gens) -> Texts:
+def reply_texts(engine: Engine, gens: Iterable[Generation]) -> Texts:
     """Each generation's reply text (up to its stop token) and its token count, as `graded` takes them."""
-    return [(tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True), len(g.token_ids)) for g in gens]
+    return [(engine.tokenizer.decode(g.content_ids(engine.stop_ids), skip_special_tokens=True), len(g.token_ids))
+            for g in gens]
 
 
-def ladder_batch(decoding: LadderDecoding, task: Task, batch: Sequence[Example], config: Config) -> list[dict]:
+def ladder_batch(engine: Engine, task: Task, batch: Sequence[Example], config: Config) -> list[dict]:
     """One record per problem: the attempt, its feedback and reflection, and every arm's answer, graded."""
     ladder = config.ladder
     prompts, ids = [e.prompt for e in batch], [e.id for e in batch]
-    stages, verifier = decoding.redos(prompts, ids, task_feedback("verifier", task, batch, config.seed), ladder.lams)
+    stages, verifier = redos(engine, config, prompts, ids, task_feedback("verifier", task, batch, config.seed),
+                             ladder.lams)
     if redo_policy(config.redumix, config.sampling).greedy:  # a second greedy try is the attempt itself
-        resamples = {RESAMPLE: [(t, len(a.token_ids)) for t, a in zip(stages.y1_text, stages.attempts, strict=True)]}
+        second = {RESAMPLE: [(t, len(a.token_ids)) for t, a in zip(stages.y1_text, stages.attempts, strict=True)]}
     else:
-        resamples = decoding.resamples(stages.x_ids, ids, resample_names(ladder.resamples))
-    critique = decoding.redos(prompts, ids, None, [config.redumix.lam]) if ladder.self_critique else None
+        second = resamples(engine, config, stages.x_ids, ids, resample_names(ladder.resamples))
+    critique = redos(engine, config, prompts, ids, None, [config.redumix.lam]) if ladder.self_critique else None
 
     records = []
     for i, example in enumerate(batch):
-        arms = {name: graded(task, texts[i], example) for name, texts in resamples.items()}
+        arms = {name: graded(task, texts[i], example) for name, texts in second.items()}
         arms |= {f"verifier@{lam:g}": graded(task, verifier[lam][i], example) for lam in ladder.lams}
         attempt = (stages.y1_text[i], len(stages.attempts[i].token_ids))
         record = {"id": example.id, "attempt": graded(task, attempt, example),
@@ -214,12 +165,12 @@ def ladder_batch(decoding: LadderDecoding, task: Task, batch: Sequence[Example],
     return records
 
 
-def add_resamples(decoding: LadderDecoding, task: Task, batch: Sequence[Example], records: Sequence[dict],
+def add_resamples(engine: Engine, task: Task, batch: Sequence[Example], records: Sequence[dict],
                   config: Config) -> None:
     """Adds the resamples that `ladder.resamples` asks for and these records lack (in place)."""
     missing = [n for n in resample_names(config.ladder.resamples) if any(n not in r["arms"] for r in records)]
-    x_ids = [template_pieces(decoding.tokenizer, attempt_messages(e.prompt))[0] for e in batch]
-    texts = decoding.resamples(x_ids, [e.id for e in batch], missing)
+    x_ids = [template_pieces(engine.tokenizer, attempt_messages(e.prompt))[0] for e in batch]
+    texts = resamples(engine, config, x_ids, [e.id for e in batch], missing)
     for i, (example, record) in enumerate(zip(batch, records, strict=True)):
         record["arms"] |= {n: graded(task, texts[n][i], example) for n in missing if n not in record["arms"]}
 
@@ -336,4 +287,5 @@ def _settings(config: Config) -> dict:
     levers |= {"redo_temperature": redo_policy(config.redumix, config.sampling).temperature,
                "instruction": config.redumix.instruction}
     return {"seed": config.seed, "model": asdict(config.model), "task": asdict(config.task),
-            "sampling": asdict(config.sampling), "redumix": redumix, "ladder": levers}
+            "sampling": asdict(config.sampling), "redumix": redumix, "ladder": levers,
+            "engine": config.engine}  # a ladder's records come from one engine

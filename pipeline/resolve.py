@@ -28,7 +28,9 @@ class ConfigError(ValueError):
 
 
 # Keys that were renamed: the old spelling's error names the new one.
-RENAMED = {"base": "embedded", "train.lmbda": "train.on_policy_share"}
+RENAMED = {"base": "embedded", "train.lmbda": "train.on_policy_share",
+           # one engine for every stage since the engine seam (generate/engine.py)
+           "harvest.engine": "engine", "eval.engine": "engine", "ladder.engine": "engine"}
 
 
 # A recipe may start from another: `extends: NAME_OR_PATH` reads that recipe first and this file's keys on top (what

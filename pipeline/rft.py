@@ -11,7 +11,7 @@ k = 0 the arm learns the right attempts alone, from the harvest itself.
 
 RUN_DIR/evidence/harvest-rft/ holds samples.jsonl (every sample, graded, written after each batch: a rerun goes on
 where it stopped, and a larger k adds samples) and harvest/, the rows as shards and a manifest, written once every
-sample is in. The samples are decoded on the engine that `harvest.engine` names, on rank 0.
+sample is in. The samples are decoded on the recipe's `engine`, on rank 0.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from redumix.data.chat import template_pieces
 from redumix.data.prompts import attempt_messages
 from redumix.data.shards import bad_shards, encode_shard, iter_rows, shard_name, shard_paths, shard_record
 from redumix.data.tasks import make_task
-from redumix.generate.plain import plain_sampler
 from redumix.generate.policy import SamplingPolicy
 from redumix.generate.redumix import redo_policy
 from redumix.pipeline.config import Config
+from redumix.pipeline.engines import open_engine
 from redumix.pipeline.harvest_folder import claim_settings
 from redumix.pipeline.ladder import graded, reply_texts, resample_names, resample_seeds
 from redumix.pipeline.lineage import harvest_id
@@ -77,26 +77,25 @@ def draw_samples(config: Config, model: Path, rows: list[dict], folder: Path) ->
     names = resample_names(config.evidence.rft_samples)
     todo = [r for r in rows if not set(names) <= set(records.get(r["id"], {}).get("samples", {}))]
     if todo:
-        sampler = plain_sampler(model, config.model, config.vllm, config.harvest.engine, config.seed,
-                                rft_policy(config), key="harvest.engine")
+        engine, policy = open_engine(config, model), rft_policy(config)
         bar = tqdm(total=len(todo), desc="evidence: rft samples", unit="problem")
         for start in range(0, len(todo), config.harvest.batch_size):
             batch = todo[start : start + config.harvest.batch_size]
             ids = [r["id"] for r in batch]
-            x_ids = [template_pieces(sampler.tokenizer, attempt_messages(r["prompt"]))[0] for r in batch]
+            x_ids = [template_pieces(engine.tokenizer, attempt_messages(r["prompt"]))[0] for r in batch]
             for name in names:
                 missing = [i for i, id_ in enumerate(ids) if name not in records.get(id_, {}).get("samples", {})]
                 if not missing:
                     continue
                 seeds = resample_seeds(config, ids, name)  # the ladder's
-                gens = sampler.generate([x_ids[i] for i in missing], [seeds[i] for i in missing])
-                for i, text in zip(missing, reply_texts(sampler.tokenizer, sampler.stop_ids, gens), strict=True):
+                gens = engine.sample([x_ids[i] for i in missing], [seeds[i] for i in missing], policy)
+                for i, text in zip(missing, reply_texts(engine, gens), strict=True):
                     record = records.setdefault(ids[i], {"id": ids[i], "samples": {}})
                     record["samples"][name] = graded(task, text, examples[ids[i]])
             atomic_write_jsonl(path, records.values(), ensure_ascii=False)  # a crash loses one batch
             bar.update(len(batch))
         bar.close()
-        sampler.close()
+        engine.close()
     return {r["id"]: records[r["id"]]["samples"] for r in rows}
 
 

@@ -22,6 +22,7 @@ from redumix.generate.cntp import (
     punctuation_mask,
     trial_counts,
 )
+from redumix.generate.hf_engine import HfEngine
 from redumix.generate.model_io import stop_token_ids
 from redumix.generate.plain import PlainDecoder
 from redumix.generate.policy import SamplingPolicy
@@ -50,7 +51,7 @@ def test_fpe_matches_forward_counter_and_is_batch_independent(tiny_llama_chat_mo
     examples = TASK.examples("test", 4)
     decoder = CntpDecoder("cntp", CntpConfig(max_trials=3, entropy_low=0.0, trial_max_tokens=6), GREEDY, seed=5)
     with ForwardCounter(model) as counter:
-        batch = decoder(model, tokenizer, examples, TASK)
+        batch = decoder(HfEngine(model, tokenizer), examples, TASK)
     assert sum(d.usage.fpe for d in batch) == counter.tokens
     for d in batch:
         assert d.extra["trial_steps"] > 0 and d.extra["trials"] == 3 * d.extra["trial_steps"]
@@ -58,7 +59,7 @@ def test_fpe_matches_forward_counter_and_is_batch_independent(tiny_llama_chat_mo
         assert d.text == tokenizer.decode(d.token_ids, skip_special_tokens=True)
     # Each example's FPE is its own: alone, it costs the model exactly what the batch charged it, for the same text.
     with ForwardCounter(model) as alone_counter:
-        alone = decoder(model, tokenizer, examples[2:3], TASK)[0]
+        alone = decoder(HfEngine(model, tokenizer), examples[2:3], TASK)[0]
     assert alone.usage.fpe == alone_counter.tokens == batch[2].usage.fpe
     assert alone.token_ids == batch[2].token_ids
 
@@ -112,8 +113,8 @@ def test_without_branches_cntp_is_plain_decoding(tiny_chat_model, policy):
     model, tokenizer = tiny_chat_model
     examples = TASK.examples("test", 5)
     never = CntpConfig(entropy_low=50.0, entropy_high=60.0)  # far above log V: no step is unsure enough
-    cntp = CntpDecoder("same-name", never, policy, seed=3)(model, tokenizer, examples, TASK)
-    plain = PlainDecoder("same-name", policy, seed=3)(model, tokenizer, examples, TASK)
+    cntp = CntpDecoder("same-name", never, policy, seed=3)(HfEngine(model, tokenizer), examples, TASK)
+    plain = PlainDecoder("same-name", policy, seed=3)(HfEngine(model, tokenizer), examples, TASK)
     for c, p in zip(cntp, plain, strict=True):
         assert (c.text, c.token_ids, c.usage) == (p.text, p.token_ids, p.usage)
         assert c.extra == {"trial_steps": 0, "trials": 0}
@@ -123,8 +124,8 @@ def test_trials_at_near_zero_temperature_are_the_greedy_continuation(tiny_chat_m
     model, tokenizer = tiny_chat_model
     examples = TASK.examples("test", 3)
     config = CntpConfig(max_trials=2, entropy_low=0.0, trial_temperature=1e-4)
-    cntp = CntpDecoder("cntp", config, GREEDY, seed=3)(model, tokenizer, examples, TASK)
-    plain = PlainDecoder("greedy", GREEDY, seed=3)(model, tokenizer, examples, TASK)
+    cntp = CntpDecoder("cntp", config, GREEDY, seed=3)(HfEngine(model, tokenizer), examples, TASK)
+    plain = PlainDecoder("greedy", GREEDY, seed=3)(HfEngine(model, tokenizer), examples, TASK)
     for c, p in zip(cntp, plain, strict=True):
         assert c.token_ids == p.token_ids and c.extra["trial_steps"] > 0
 

@@ -5,6 +5,7 @@ import pytest
 
 from redumix.data.tasks import make_task
 from redumix.generate.accounting import ForwardCounter
+from redumix.generate.hf_engine import HfEngine
 from redumix.generate.model_io import load_model
 from redumix.pipeline.config import load_config
 from redumix.pipeline.decoders import DEFAULT_DECODERS, check_decoder_names, make_decoder
@@ -49,7 +50,7 @@ def test_reported_fpe_equals_forward_counter_for_every_decoder(decoder, model_di
         ]
     decode = make_decoder(config, decoder, earlier)
     with ForwardCounter(model) as counter:
-        outputs = decode(model, tokenizer, examples, task)
+        outputs = decode(HfEngine(model, tokenizer), examples, task)
     assert len(outputs) == 3
     assert sum(o.usage.fpe for o in outputs) == counter.tokens > 0
     assert all(o.usage.prefill_tokens > 0 for o in outputs)
@@ -92,7 +93,7 @@ def test_eval_on_real_gsm8k_writes_parseable_reports_and_resumes(tmp_path, model
     # the records, not redone.
     before = generations.stat().st_mtime_ns
     (tmp_path / "eval" / "report.json").unlink()
-    monkeypatch.setattr("redumix.pipeline.eval.load_model", lambda *args: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("redumix.pipeline.eval.open_engine", lambda *args: pytest.fail("the model was loaded"))
     run_eval(config, run)
     assert generations.stat().st_mtime_ns == before
     assert json.loads((tmp_path / "eval" / "report.json").read_text())["rows"] == report["rows"]

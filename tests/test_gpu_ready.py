@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from redumix.data.tasks import make_task
+from redumix.generate.hf_engine import HfEngine
 from redumix.generate.model_io import ModelConfig, load_model
 from redumix.pipeline.config import load_config
 from redumix.pipeline.decoders import make_decoder
@@ -34,7 +35,7 @@ def test_bf16_weights_decode_with_every_token_level_family(tiny_model_dir):
     task = make_task(config.task, config.seed)
     examples = task.examples("test", 2)
     for name in ("greedy", "redumix-oracle", "moi", "reflective"):
-        outputs = make_decoder(config, name, {})(model, tokenizer, examples, task)
+        outputs = make_decoder(config, name, {})(HfEngine(model, tokenizer), examples, task)
         assert len(outputs) == 2 and all(o.usage.fpe > 0 and o.token_ids for o in outputs), name
 
 

@@ -51,10 +51,10 @@ def test_ladder_resumes_and_refuses_other_settings(tmp_path):
     with pytest.raises(ValueError, match=r"ladder\.redo_temperature"):
         run_ladder(load_config("tiny", [*SMALL, "redumix.redo_temperature=0.7"]), RunDir(tmp_path))
     # A ladder's records come from one engine; on a new folder the embedded model is refused by vLLM, naming the key
-    with pytest.raises(ValueError, match=r"ladder\.engine"):
-        run_ladder(load_config("tiny", [*SMALL, "ladder.engine=vllm"]), RunDir(tmp_path))
-    with pytest.raises(ValueError, match=r"ladder\.engine=vllm") as error:
-        run_ladder(load_config("tiny", [*SMALL, "ladder.engine=vllm"]), RunDir(tmp_path / "new"))
+    with pytest.raises(ValueError, match=r'[^.]engine: "hf" -> "vllm"'):
+        run_ladder(load_config("tiny", [*SMALL, "engine=vllm"]), RunDir(tmp_path))
+    with pytest.raises(ValueError, match=r"\bengine=vllm") as error:
+        run_ladder(load_config("tiny", [*SMALL, "engine=vllm"]), RunDir(tmp_path / "new"))
     assert "make vllm" in str(error.value) or "head_dim 24" in str(error.value)
     assert not (tmp_path / "new" / "ladder").exists()  # refused before the folder is claimed
 
@@ -66,18 +66,18 @@ def test_a_finished_vllm_ladder_is_summarized_without_an_engine(tmp_path, monkey
     (tmp_path / "ladder" / "ladder.md").unlink()
     settings_path = tmp_path / "ladder" / "settings.json"  # the same records, as vLLM's engine writes them
     settings = json.loads(settings_path.read_text())
-    settings["ladder"]["engine"] = "vllm"
+    settings["engine"] = "vllm"
     settings_path.write_text(json.dumps(settings))
 
     def no_engine(*args, **kwargs):
         raise AssertionError("a finished ladder folder built an engine")
 
-    monkeypatch.setattr(ladder, "check_engine_model", no_engine)
-    monkeypatch.setattr(ladder, "vllm_decoding", no_engine)
-    run_ladder(load_config("tiny", [*SMALL, "ladder.engine=vllm"]), RunDir(tmp_path))
+    monkeypatch.setattr(ladder, "check_engine", no_engine)
+    monkeypatch.setattr(ladder, "open_engine", no_engine)
+    run_ladder(load_config("tiny", [*SMALL, "engine=vllm"]), RunDir(tmp_path))
     assert "| verifier@0 |" in (tmp_path / "ladder" / "ladder.md").read_text()
     with pytest.raises(AssertionError, match="built an engine"):  # one more problem is work: it needs the engine
-        run_ladder(load_config("tiny", [*SMALL, "ladder.engine=vllm", "ladder.n=7"]), RunDir(tmp_path))
+        run_ladder(load_config("tiny", [*SMALL, "engine=vllm", "ladder.n=7"]), RunDir(tmp_path))
 
 
 def test_sampled_resample_is_a_second_draw(tmp_path):

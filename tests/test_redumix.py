@@ -11,6 +11,7 @@ from redumix.data.prompts import attempt_messages, redo_messages
 from redumix.data.task import Example
 from redumix.data.tasks import TaskConfig, make_task
 from redumix.generate.accounting import ForwardCounter
+from redumix.generate.hf_engine import HfEngine
 from redumix.generate.mixture import mixture_topk
 from redumix.generate.model_io import stop_token_ids
 from redumix.generate.plain import generate_batch
@@ -28,7 +29,7 @@ def run(model, tokenizer, lam, policy=None, prompts=PROMPTS, ids=IDS, feedback="
     policy = policy or SamplingPolicy(max_new_tokens=12)
     config = RedumixConfig(lam=lam, reflection_max_tokens=10, critique_max_tokens=6, feedback=feedback, **config)
     fb = None if feedback == "self" else (lambda i, text: ARITH.feedback(text, SEVEN))
-    return redumix_generate(model, tokenizer, prompts, ids, config, policy, seed, stop_token_ids(model, tokenizer), fb)
+    return redumix_generate(HfEngine(model, tokenizer), prompts, ids, config, policy, seed, fb)
 
 
 def seeds_for(stage, ids=IDS, seed=0):

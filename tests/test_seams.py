@@ -35,11 +35,13 @@ class FirstNumber:
     name: str
     template: str = "The answer is {}."
 
-    def __call__(self, model, tokenizer, examples, task) -> list[Decoded]:
+    needs_hf_engine = False
+
+    def __call__(self, engine, examples, task) -> list[Decoded]:
         out = []
         for example in examples:
             text = self.template.format(re.search(r"\d+", example.prompt).group())
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
             out.append(Decoded(text, ids, Usage(visible_tokens=len(ids)), {"source": "prompt"}))
         return out
 

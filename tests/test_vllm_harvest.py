@@ -1,5 +1,5 @@
-"""`harvest.engine=vllm`: every stage on vLLM, the same rows as the Hugging Face harvest (float rounding apart), a
-manifest that names the engine, and `train` reading the shards unchanged; `eval.engine=vllm`: the plain decoders'
+"""`engine=vllm`: every stage on vLLM, the same rows as the Hugging Face harvest (float rounding apart), a
+manifest that names the engine, and `train` reading the shards unchanged; `engine=vllm`: the plain decoders'
 records equal Hugging Face's; `NPROC=2` through torchrun (slow), one engine per rank or one engine over both ranks,
 gives one process's rows. The refusal of a model vLLM cannot run is checked with or without vLLM installed."""
 
@@ -25,8 +25,8 @@ SMALL = ["harvest.n=4", "harvest.shard_rows=2", "harvest.batch_size=2", "samplin
 
 
 def test_vllm_refuses_the_embedded_model_naming_the_key(tmp_path):
-    config = load_config(ROOT / "recipes" / "tiny.yaml", [*SMALL, "harvest.engine=vllm"])
-    with pytest.raises(ValueError, match=r"harvest.engine=vllm") as error:
+    config = load_config(ROOT / "recipes" / "tiny.yaml", [*SMALL, "engine=vllm"])
+    with pytest.raises(ValueError, match=r"engine=vllm") as error:
         run_harvest(config, RunDir(tmp_path))
     # without vLLM: how to install it; with it: the embedded model's head_dim 24, which its CPU kernel lacks
     assert "make vllm" in str(error.value) or "head_dim 24" in str(error.value)
@@ -74,7 +74,7 @@ def test_vllm_harvest_equals_the_hf_harvest_and_trains(tmp_path, model_dir):
     from tests.conftest import rows_differ
 
     hf_rows, hf_manifest = _harvest(tmp_path / "hf", model_dir)
-    vllm_rows, manifest = _harvest(tmp_path / "vllm", model_dir, "harvest.engine=vllm")
+    vllm_rows, manifest = _harvest(tmp_path / "vllm", model_dir, "engine=vllm")
     assert rows_differ(vllm_rows, hf_rows) == []
     assert len(vllm_rows) == 4 and all(len(r["redo_token_ids"]) > 0 for r in vllm_rows)
     assert hf_manifest["engine"] == "hf" and hf_manifest["vllm_version"] is None
@@ -100,14 +100,14 @@ def test_eval_engine_vllm_decodes_the_plain_decoders_as_hf_does(tmp_path, model_
                 "vllm.kv_cache_gib=1", "vllm.max_num_seqs=8"]
     records = {}
     for engine in ("hf", "vllm"):
-        run_eval(load_config(ROOT / "recipes" / "tiny.yaml", [*settings, f"eval.engine={engine}"]),
+        run_eval(load_config(ROOT / "recipes" / "tiny.yaml", [*settings, f"engine={engine}"]),
                  RunDir(tmp_path / engine))
         records[engine] = {
             name: [{k: v for k, v in r.items() if k != "seconds"}
                    for r in read_records(records_path(tmp_path / engine / "eval" / "generations", "base", name))]
             for name in ("greedy", "sample", "vote@2")
         }
-    assert "vote@2 needs token-level control of the cache, so it runs on Hugging Face" in capsys.readouterr().out
+    assert "vote@2 needs the cache token by token, so it runs on the 'hf' engine" in capsys.readouterr().out
     for name in ("greedy", "sample", "vote@2"):
         vllm, hf = records["vllm"][name], records["hf"][name]
         assert len(vllm) == 4
@@ -121,12 +121,12 @@ def test_eval_engine_vllm_decodes_the_plain_decoders_as_hf_does(tmp_path, model_
 
 def test_the_bases_off_task_answers_on_vllm_are_the_hf_answers(model_dir):
     """The evidence stage's off-task drift reads the base's greedy answers to the general set's questions; with
-    eval.engine=vllm they are decoded there, the same ids as on Hugging Face."""
+    engine=vllm they are decoded there, the same ids as on Hugging Face."""
     from redumix.pipeline.drift import greedy_answers
 
     questions = ["What is 2 + 3?", "Name a colour.", "Count to four.", "Why is the sky blue?", "Say hello."]
     answers = {engine: greedy_answers(load_config(ROOT / "recipes" / "tiny.yaml", [
-        f"eval.engine={engine}", "sampling.max_new_tokens=8", "vllm.kv_cache_gib=1", "vllm.max_num_seqs=8"]),
+        f"engine={engine}", "sampling.max_new_tokens=8", "vllm.kv_cache_gib=1", "vllm.max_num_seqs=8"]),
         model_dir, questions) for engine in ("hf", "vllm")}
     assert len(answers["vllm"]) == 5 and all(answers["vllm"])
     assert answers["vllm"] == answers["hf"]
@@ -136,7 +136,7 @@ def _torchrun_harvest(run_dir: Path, model_dir: Path, *extra: str) -> None:
     """`make harvest NPROC=2`'s command: two ranks through torchrun, each with its own in-process engine."""
     command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
                "-m", "redumix.pipeline.cli", "harvest", "--recipe", str(ROOT / "recipes" / "tiny.yaml"),
-               "--run-dir", str(run_dir), f"model.path={model_dir}", *SMALL, "harvest.engine=vllm", *extra]
+               "--run-dir", str(run_dir), f"model.path={model_dir}", *SMALL, "engine=vllm", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
@@ -150,7 +150,7 @@ def test_two_ranks_harvest_disjoint_shards_whose_union_is_one_process_run(tmp_pa
     from tests.conftest import rows_differ
 
     extra = ["harvest.n=6"]
-    one, _ = _harvest(tmp_path / "one", model_dir, "harvest.engine=vllm", *extra)
+    one, _ = _harvest(tmp_path / "one", model_dir, "engine=vllm", *extra)
     _torchrun_harvest(tmp_path / "two", model_dir, *extra)
     two, manifest = _rows(tmp_path / "two")
     assert len(one) == 6 and rows_differ(two, one) == []
@@ -172,7 +172,7 @@ def manifest_shard(manifest: dict, k: int) -> str:
 
 
 def test_tensor_parallel_in_one_process_is_refused_naming_nproc(tmp_path, model_dir):
-    config = load_config(ROOT / "recipes" / "tiny.yaml", [f"model.path={model_dir}", *SMALL, "harvest.engine=vllm",
+    config = load_config(ROOT / "recipes" / "tiny.yaml", [f"model.path={model_dir}", *SMALL, "engine=vllm",
                                                           "vllm.tensor_parallel_size=2"])
     with pytest.raises(ValueError, match=r"vllm.tensor_parallel_size=2 needs 2 ranks: run it with NPROC=2"):
         run_harvest(config, RunDir(tmp_path))
@@ -181,13 +181,13 @@ def test_tensor_parallel_in_one_process_is_refused_naming_nproc(tmp_path, model_
 
 @pytest.mark.slow
 def test_two_ranks_eval_on_vllm_gives_one_process_records(tmp_path, model_dir):
-    """`make eval NPROC=2 ARGS=eval.engine=vllm`: each rank builds an engine per checkpoint (two in turn here, the
+    """`make eval NPROC=2 ARGS=engine=vllm`: each rank builds an engine per checkpoint (two in turn here, the
     tuned one a copy of the base) and decodes its share of the examples; rank 0 gathers the records of one process."""
     from redumix.pipeline.eval import run_eval
 
     settings = [f"model.path={model_dir}", "eval.n=5", "eval.n_other=5", "eval.batch_size=4",
                 "eval.checkpoints=[base, tuned]", "eval.decoders=[greedy, sample]", "eval.tuned_decoders=[]",
-                "sampling.max_new_tokens=8", "vllm.kv_cache_gib=1", "vllm.max_num_seqs=8", "eval.engine=vllm"]
+                "sampling.max_new_tokens=8", "vllm.kv_cache_gib=1", "vllm.max_num_seqs=8", "engine=vllm"]
     for name in ("one", "two"):
         shutil.copytree(model_dir, tmp_path / name / "train" / "merged")
     run_eval(load_config(ROOT / "recipes" / "tiny.yaml", settings), RunDir(tmp_path / "one"))
@@ -222,8 +222,8 @@ def test_eval_refuses_a_tensor_parallel_engine(tmp_path, model_dir):
     from redumix.pipeline.eval import run_eval
 
     settings = [f"model.path={model_dir}", "eval.n=2", "eval.checkpoints=[base]", "eval.decoders=[greedy]",
-                "eval.engine=vllm", "vllm.tensor_parallel_size=2"]
-    with pytest.raises(ValueError, match=r"eval.engine=vllm takes vllm.tensor_parallel_size=1"):
+                "engine=vllm", "vllm.tensor_parallel_size=2"]
+    with pytest.raises(ValueError, match=r"engine=vllm with vllm.tensor_parallel_size=2 needs 2 ranks"):
         run_eval(load_config(ROOT / "recipes" / "tiny.yaml", settings), RunDir(tmp_path))
 
 
@@ -234,7 +234,7 @@ def test_vllm_harvest_decodes_the_recipes_redo_levers_as_hf_does(tmp_path, model
 
     levers = ["sampling.temperature=0.0", "redumix.instruction=answer", "redumix.redo_temperature=1.0"]
     hf_rows, _ = _harvest(tmp_path / "hf", model_dir, *levers)
-    vllm_rows, _ = _harvest(tmp_path / "vllm", model_dir, "harvest.engine=vllm", *levers)
+    vllm_rows, _ = _harvest(tmp_path / "vllm", model_dir, "engine=vllm", *levers)
     assert rows_differ(vllm_rows, hf_rows) == []
     greedy_rows, _ = _harvest(tmp_path / "greedy", model_dir, *levers[:2])
     assert [r["original"] for r in greedy_rows] == [r["original"] for r in hf_rows]
@@ -242,7 +242,7 @@ def test_vllm_harvest_decodes_the_recipes_redo_levers_as_hf_does(tmp_path, model
 
 
 def test_the_rft_arms_samples_on_vllm_are_the_hf_samples(tmp_path, model_dir):
-    """`evidence.rft_samples` draws on `harvest.engine`; either engine gives the same graded samples."""
+    """`evidence.rft_samples` draws on `engine`; either engine gives the same graded samples."""
     from redumix.data.tasks import make_task
     from redumix.pipeline.rft import draw_samples
 
@@ -250,7 +250,7 @@ def test_the_rft_arms_samples_on_vllm_are_the_hf_samples(tmp_path, model_dir):
                 "evidence.rft_samples=2"]
     samples = {}
     for engine in ("hf", "vllm"):
-        config = load_config(ROOT / "recipes" / "tiny.yaml", [*settings, f"harvest.engine={engine}"])
+        config = load_config(ROOT / "recipes" / "tiny.yaml", [*settings, f"engine={engine}"])
         rows = [{"id": e.id, "prompt": e.prompt} for e in make_task(config.task, config.seed).examples("train", 4)]
         samples[engine] = draw_samples(config, model_dir, rows, tmp_path / engine)
     assert samples["vllm"] == samples["hf"]
@@ -259,7 +259,7 @@ def test_the_rft_arms_samples_on_vllm_are_the_hf_samples(tmp_path, model_dir):
 
 
 def test_the_ladder_on_vllm_writes_the_hf_ladders_records(tmp_path, model_dir):
-    """`ladder.engine=vllm`: the same records as the Hugging Face ladder: the attempt, feedback and reflection, the
+    """`engine=vllm`: the same records as the Hugging Face ladder: the attempt, feedback and reflection, the
     redo at each λ from the same two contexts, the self-critique arm and two resamples."""
     from redumix.pipeline.ladder import run_ladder
 
@@ -269,7 +269,7 @@ def test_the_ladder_on_vllm_writes_the_hf_ladders_records(tmp_path, model_dir):
                 "ladder.lams=[0.5,0.0]", "ladder.resamples=2"]
     records = {}
     for engine in ("hf", "vllm"):
-        config = load_config(ROOT / "recipes" / "tiny.yaml", [*settings, f"ladder.engine={engine}"])
+        config = load_config(ROOT / "recipes" / "tiny.yaml", [*settings, f"engine={engine}"])
         run_ladder(config, RunDir(tmp_path / engine))
         lines = (tmp_path / engine / "ladder" / "records.jsonl").read_text().splitlines()
         records[engine] = [json.loads(line) for line in lines]
