@@ -8,7 +8,9 @@ place that picks a task by name, and composes the `task` config section from eac
 A task may also give named sub-scores: `sub_scores(text, example) -> dict[str, bool]`, a verdict per named check
 that applies to the example (`constraints` gives one per constraint, by kind). It is optional, so it is not in the
 protocol: eval keeps them in each record, and its report gives each name's pass rate over the examples it applies
-to.
+to. A task with reference solutions may give `privileged_feedback(text, example)`: the verifier's feedback and the
+reference (or a hint cut from it), the privileged context a harvest on train problems shows in x2
+(`redumix.feedback=reference`); it must refuse a test problem.
 """
 
 from __future__ import annotations

@@ -41,11 +41,12 @@ from redumix.generate.redo_window import window_cuts, x2_prefix
 class RedumixConfig:
     lam: float = field(default=0.5, metadata={"help": "λ: weight of the original context x (1 = plain decoding)."})
     topk: int = field(default=32, metadata={"help": "Top-k ids of p_mix stored per redo token."})
-    feedback: Literal["verifier", "human", "self", "none", "random"] = field(
+    feedback: Literal["verifier", "human", "self", "none", "random", "reference"] = field(
         default="verifier",
         metadata={"help": "Where r comes from: the task's answer check, a JSONL file, or the model's critique. "
-                  "Ablations: 'none' (reflect with no feedback) and 'random' (a verdict by coin flip, whatever the "
-                  "answer: wrong half the time)."},
+                  "'reference': the check and the task's reference solution, privileged context for harvests on "
+                  "train problems only (task.name=code; eval refuses it). Ablations: 'none' (reflect with no "
+                  "feedback) and 'random' (a verdict by coin flip, whatever the answer: wrong half the time)."},
     )
     feedback_file: str = field(default="", metadata={"help": "human feedback: JSONL lines with 'id' and 'feedback'."})
     reflection_max_tokens: int = field(default=256, metadata={"help": "Most tokens in the reflection c."})
@@ -111,6 +112,12 @@ def task_feedback(mode: str, task: Task, examples: Sequence[Example], seed: int)
         return lambda i, attempt: task.feedback(attempt, examples[i])
     if mode == "none":
         return lambda i, attempt: ""
+    if mode == "reference":
+        privileged = getattr(task, "privileged_feedback", None)  # optional, as sub_scores is (data/task.py)
+        if privileged is None:
+            raise ValueError(f"redumix.feedback=reference shows the task's reference solution, and task "
+                             f"{task.name!r} has none to show; use task.name=code, or another redumix.feedback")
+        return lambda i, attempt: privileged(attempt, examples[i])
     if mode == "random":
         return lambda i, attempt: verdict_feedback(
             task.answer(attempt), example_seed(seed, f"{examples[i].id}/verdict") % 2 == 0
@@ -329,8 +336,9 @@ class RedumixDecoder:
     needs_hf_engine = False
 
     def __call__(self, engine: Engine, examples: Sequence[Example], task: Task) -> list[Decoded]:
-        if self.config.feedback == "human":
-            raise ValueError("eval runs ReDuMix with verifier or self feedback; human feedback is for the harvest")
+        if self.config.feedback in ("human", "reference"):
+            raise ValueError(f"eval runs ReDuMix with verifier or self feedback; redumix.feedback="
+                             f"{self.config.feedback} is for harvests on train problems")
         feedback = task_feedback(self.config.feedback, task, examples, self.seed)
         results = redumix_generate(engine, [e.prompt for e in examples], [e.id for e in examples], self.config,
                                    self.policy, self.seed, feedback)

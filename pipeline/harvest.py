@@ -84,6 +84,9 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
         )
     if config.redumix.feedback == "human":
         _check_human_feedback(config.redumix.feedback_file, examples)
+    if config.redumix.feedback == "reference" and config.harvest.split != "train":
+        raise ValueError("redumix.feedback=reference shows the reference solution, so it harvests train problems "
+                         f"only; harvest.split is {config.harvest.split!r}: set harvest.split=train")
     group, groups = check_engine(config, run)  # who shares a shard: each rank alone, or an engine's ranks
     check_inputs(config.model, model_path(config.model.path, run), examples, config.sampling.max_new_tokens)
     accepted = claim_folder(out, config, record)  # this run's fingerprint, and a migrated folder's older one
