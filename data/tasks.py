@@ -67,16 +67,10 @@ def make_task(config: TaskConfig, seed: int) -> Task:
     return entry.make(settings, seed, config.prompt_suffix)
 
 
-def flat_settings(config: TaskConfig) -> dict[str, Any]:
-    """The task settings as one flat mapping: name, gsm8k's path, prompt_suffix, then arith's fields.
-
-    That is the layout of the one flat TaskConfig that held every task's settings before each task had its own
-    section. The base's build_config.yaml and the harvest and eval fingerprints are made from it, so a shipped base
-    and the records written before still match. A task added since joins with its own section, under its name, when
-    it is the task named: so adding a task changes no fingerprint of a run of another task.
-    """
-    flat = {"name": config.name, "path": config.gsm8k.path, "prompt_suffix": config.prompt_suffix,
-            **dataclasses.asdict(config.arith)}
-    later = {name: dataclasses.asdict(getattr(config, name)) for name, entry in TASKS.items()
-             if entry.settings is not None and name not in ("arith", "gsm8k") and name == config.name}
-    return {**flat, **later}
+def task_record(config: TaskConfig) -> dict[str, Any]:
+    """What decides a task's problems and prompts, for the fingerprints (common/fingerprints.py): its name, the
+    prompt suffix and the named task's own section, whole (its settings define its problems). No other task's
+    section: adding a task, or changing another task's settings, moves no fingerprint of this one's runs."""
+    entry = TASKS[config.name]
+    settings = dataclasses.asdict(getattr(config, config.name)) if entry.settings is not None else None
+    return {"name": config.name, "prompt_suffix": config.prompt_suffix, "settings": settings}

@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import itertools
 import shutil
-from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
 from transformers import AutoTokenizer
 
 from redumix.common.files import atomic_write_text, read_text
+from redumix.common.fingerprints import RECORD_VERSION, build_record_v0
 from redumix.common.ranks import print0
-from redumix.data.tasks import TaskConfig, flat_settings
+from redumix.data.tasks import TaskConfig, task_record
 from redumix.embedded.config import EmbeddedConfig
 from redumix.embedded.corpus import corpus_episodes
 from redumix.embedded.pretrain import build_model, build_rows, train_model
@@ -55,17 +56,17 @@ def build_embedded(
     Resumes a build that `out_dir` holds from an earlier run of the same settings (its tokenizer and checkpoint).
     """
     torch.set_num_threads(settings.threads)
-    decisive = build_settings(settings, task, seed)
     episodes = corpus_episodes(task.arith, settings.corpus, seed)
     sample = list(itertools.islice(episodes, TOKENIZER_EPISODES))
-    if (out_dir / "tokenizer.json").is_file() and read_text_or_none(out_dir / "build_config.yaml") == decisive:
+    if (out_dir / "tokenizer.json").is_file() and built_with(out_dir, settings, task, seed):
         tokenizer = AutoTokenizer.from_pretrained(out_dir)  # the one this build trained before it stopped
     else:
         shutil.rmtree(out_dir, ignore_errors=True)
         out_dir.mkdir(parents=True)
         tokenizer = corpus_tokenizer(sample, settings.vocab_size)
         tokenizer.save_pretrained(out_dir)
-        atomic_write_text(out_dir / "build_config.yaml", decisive)
+    # Written again on a resume: a version 0 file that matched becomes version 1.
+    atomic_write_text(out_dir / BUILD_CONFIG, build_config_text(settings, task, seed))
     n_rows = settings.steps * settings.batch_rows
     *rows, counts = build_rows(tokenizer, itertools.chain(sample, episodes), n_rows, settings.seq_len)
     model = build_model(settings, tokenizer, seed)
@@ -82,21 +83,52 @@ def read_text_or_none(path: Path) -> str | None:
     return read_text(path) if path.is_file() else None
 
 
-# Settings that change neither the weights nor metrics.json: a shipped build made with other values still applies.
-_NOT_DECISIVE = ("threads", "checkpoint_steps", "eval_batch_size", "shipped")
+# --- what decides a build -------------------------------------------------------------------------------------------
+
+BUILD_CONFIG = "build_config.yaml"  # a build's record, beside its weights
 
 
-def build_settings(settings: EmbeddedConfig, task: TaskConfig, seed: int) -> str:
-    """What decides the built model (its `build_config.yaml`): a build is resumed or reused only when these match.
+def build_record(settings: EmbeddedConfig, task: TaskConfig, seed: int) -> dict[str, Any]:
+    """What decides the built model and its metrics.json, in the record's own names (common/fingerprints.py): not
+    `threads`, `checkpoint_steps`, `eval_batch_size` or `shipped`, which change neither."""
+    s, c = settings, settings.corpus
+    return {
+        "seed": seed,
+        "model": {"steps": s.steps, "batch_rows": s.batch_rows, "seq_len": s.seq_len, "vocab_size": s.vocab_size,
+                  "hidden_size": s.hidden_size, "layers": s.layers, "heads": s.heads,
+                  "intermediate_size": s.intermediate_size, "lr": s.lr, "min_lr_ratio": s.min_lr_ratio,
+                  "warmup_steps": s.warmup_steps, "weight_decay": s.weight_decay, "bf16": s.bf16},
+        "corpus": {"mix_solution": c.mix_solution, "mix_reflection": c.mix_reflection, "mix_critique": c.mix_critique,
+                   "mix_refine": c.mix_refine, "mix_longhand": c.mix_longhand, "slip_rate": c.slip_rate,
+                   "wrong_attempt_rate": c.wrong_attempt_rate, "noisy_feedback_rate": c.noisy_feedback_rate,
+                   "check_span_rate": c.check_span_rate},
+        "measure": {"eval_n": s.eval_n, "eval_reflection": s.eval_reflection},
+        "task": task_record(task),
+    }
 
-    The section is one flat mapping under the key `base`, the corpus keys in the place of `corpus`: the layout and
-    the key that builds were written with before the corpus had its own section and the section its own name, so
-    the shipped build's file stays a match.
-    """
-    base = {}
-    for name, value in asdict(settings).items():
-        if name == "corpus":
-            base.update(value)
-        elif name not in _NOT_DECISIVE:
-            base[name] = value
-    return yaml.safe_dump({"seed": seed, "base": base, "task": flat_settings(task)}, sort_keys=False)
+
+def build_config_text(settings: EmbeddedConfig, task: TaskConfig, seed: int) -> str:
+    """A build's `build_config.yaml`: its record, under its version."""
+    record = build_record(settings, task, seed)
+    return yaml.safe_dump({"version": RECORD_VERSION, **record}, sort_keys=False)
+
+
+def stored_build_record(folder: Path) -> dict[str, Any] | None:
+    """The record a build folder's `build_config.yaml` holds (a version 0 file read into version 1), or None."""
+    text = read_text_or_none(Path(folder) / BUILD_CONFIG)
+    stored = yaml.safe_load(text) if text else None
+    if not isinstance(stored, dict):
+        return None
+    if "version" not in stored:
+        try:
+            return build_record_v0(stored)
+        except (KeyError, TypeError):  # not a build's record of any version
+            return None
+    if stored.pop("version") != RECORD_VERSION:
+        return None
+    return stored
+
+
+def built_with(folder: Path, settings: EmbeddedConfig, task: TaskConfig, seed: int) -> bool:
+    """Whether the build in `folder` was made from exactly these settings."""
+    return stored_build_record(folder) == build_record(settings, task, seed)

@@ -29,7 +29,7 @@ from redumix.data.tasks import make_task
 from redumix.pipeline.config import Config
 from redumix.pipeline.decoders import BASELINE
 from redumix.pipeline.embedded_stage import ensure_embedded
-from redumix.pipeline.harvest_folder import harvest_fingerprint
+from redumix.pipeline.harvest_folder import harvest_record, made_with
 from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.report import paired_with_greedy
 from redumix.pipeline.resolve import config_to_yaml
@@ -98,15 +98,14 @@ def policy_steps_per_round(run: RunDir, config: Config) -> int:
 
 
 def share_first_harvest(run: RunDir, settings: Config, here: RunDir) -> None:
-    """Copy round 1's harvest from an arm that made it with the same fingerprint, if this arm has none yet."""
+    """Copy round 1's harvest from an arm that made it with the same record, if this arm has none yet."""
     target = round_dir(here, 1).harvest
     if target.exists():
         return
-    fingerprint = harvest_fingerprint(round_config(settings, 1, Path(settings.model.path)),
-                                      make_task(settings.task, settings.seed))
+    first = round_config(settings, 1, Path(settings.model.path))
+    record = harvest_record(first, make_task(first.task, first.seed))
     for source in sorted(run.ablation.glob("*/seed-*/rounds/round-1/harvest")):
-        if (source / "manifest.json").is_file() and read_json(source / "manifest.json").get(
-                "fingerprint") == fingerprint:
+        if made_with(source, record):
             print0(f"ablation: round 1's harvest is {source}'s (the same settings and starting model); copied")
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copytree(source, target.with_name("harvest.copying"), dirs_exist_ok=True)

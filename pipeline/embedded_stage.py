@@ -6,7 +6,7 @@ completion marker, is written last. A rerun after a crash resumes the build from
 holds a model but no metrics (a crash during measuring), the rerun measures that model.
 
 `ensure_embedded` is what the other stages call when `model.path=embedded`: the embedded model on first use,
-copied from `embedded.shipped` when that build was made from exactly this recipe's settings (`build_settings`),
+copied from `embedded.shipped` when that build was made from exactly this recipe's settings (`built_with`),
 else built from the code.
 """
 
@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from redumix.common.files import atomic_write_json, log_metrics, read_json
 from redumix.common.ranks import barrier, print0, rank
 from redumix.data.tasks import make_task
-from redumix.embedded import build_embedded, build_settings, measure, read_text_or_none, require_arith
+from redumix.embedded import build_embedded, built_with, measure, require_arith
 from redumix.pipeline.config import Config
 from redumix.pipeline.run import EMBEDDED, RunDir, in_repo
 
@@ -43,7 +43,7 @@ def shipped_embedded(config: Config) -> Path | None:
         print0(f"embedded: embedded.shipped={folder} holds no complete build (no metrics.json); building from the "
                "code")
         return None
-    if read_text_or_none(folder / "build_config.yaml") != build_settings(config.embedded, config.task, config.seed):
+    if not built_with(folder, config.embedded, config.task, config.seed):
         print0(f"embedded: the build in embedded.shipped={folder} was made with other settings (its "
                "build_config.yaml differs from this recipe's seed, embedded and task); building from the code")
         return None

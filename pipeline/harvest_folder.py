@@ -1,102 +1,129 @@
 """A harvest folder's identity and its completion contract, apart from the stage that writes one.
 
-Identity: the fingerprint of the settings that decide the rows, kept in `fingerprint.json` with the settings
-themselves, so that a refused config can name the keys that differ (`claim_folder`). Completion: `manifest.json`,
-written last, lists every shard with its rows and SHA-256; `check_harvest` is what `train`, `export` and `ablation`
-call before they read a harvest, and `format_summary` is the stage's one summary line.
+Identity: the fingerprint of the record of what decides the rows (`harvest_record`), kept in `fingerprint.json`
+with the record itself, so that a refused config can name the keys that differ (`claim_folder`); a marker of an
+older redumix is read and rewritten in the current record version (`accept_folder`, docs/robustness.md).
+
+Completion: `manifest.json`, written last, lists every shard with its rows and SHA-256; `check_harvest` is what
+`train`, `export` and `ablation` call before they read a harvest, and `format_summary` is the stage's one summary
+line.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-from dataclasses import asdict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from redumix.common.files import atomic_write_json, atomic_write_text, read_json
-from redumix.common.ranks import barrier, peak_rss_mb, rank
+from redumix.common.fingerprints import RECORD_VERSION, fingerprint, harvest_record_v0, v0_hash
+from redumix.common.ranks import barrier, peak_rss_mb, print0, rank
 from redumix.data.shards import bad_shards, iter_rows, shard_name, shard_paths, shard_record
 from redumix.data.task import Task
-from redumix.data.tasks import flat_settings
+from redumix.data.tasks import task_record
+from redumix.embedded import build_record
 from redumix.generate.vllm_engine import vllm_version
 from redumix.pipeline.config import Config
 from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.run import EMBEDDED
 from redumix.pipeline.stats import newcombe_paired_interval
 
-
-def harvest_fingerprint(config: Config, task: Task) -> str:
-    """Hash of everything that decides the rows (not batch size: rows do not depend on it)."""
-    return hashlib.sha256(json.dumps(harvest_settings(config, task), sort_keys=True).encode()).hexdigest()[:16]
+MARKER = "fingerprint.json"
 
 
-def harvest_settings(config: Config, task: Task) -> dict:
-    """The settings that decide the rows: the fingerprint hashes them, and fingerprint.json keeps them so that a
-    refused config can name the keys that differ."""
+def harvest_record(config: Config, task: Task) -> dict[str, Any]:
+    """What decides the rows, in the record's own names (common/fingerprints.py). Not the batch size, the engine, the
+    device or compile_decoding: they change speed and float rounding only, so a harvest may resume under another."""
+    sampling, redumix, harvest = config.sampling, config.redumix, config.harvest
     return {
-        "task_name": task.name,
         "seed": config.seed,
-        "model": model_settings(config),
-        # the section's key and layout before it had its own name and subsections: older harvests still resume
-        "base": _flat(asdict(config.embedded)) if config.model.path == EMBEDDED else None,
-        "task": flat_settings(config.task),  # the flat layout harvests were fingerprinted with before
-        "sampling": asdict(config.sampling),
-        "redumix": redumix_settings(config),
-        "harvest": {"n": config.harvest.n, "split": config.harvest.split, "shard_rows": config.harvest.shard_rows,
-                    # only when set, so that harvests made before `skip` existed keep their fingerprint
-                    **({"skip": config.harvest.skip} if config.harvest.skip else {})},
+        "task": {**task_record(config.task), "name": task.name},  # a task passed in (a test's) names itself
+        "model": {"path": config.model.path, "dtype": config.model.dtype},
+        "embedded": build_record(config.embedded, config.task, config.seed) if config.model.path == EMBEDDED else None,
+        "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                     "max_new_tokens": sampling.max_new_tokens},
+        "redumix": {"lam": redumix.lam, "topk": redumix.topk, "feedback": redumix.feedback,
+                    "feedback_file": redumix.feedback_file if redumix.feedback == "human" else None,
+                    "reflection_max_tokens": redumix.reflection_max_tokens,
+                    "critique_max_tokens": redumix.critique_max_tokens, "instruction": redumix.instruction,
+                    "redo_temperature": redumix.redo_temperature},
+        "harvest": {"n": harvest.n, "split": harvest.split, "skip": harvest.skip, "shard_rows": harvest.shard_rows},
     }
 
 
-def redumix_settings(config: Config) -> dict:
-    """The redumix section, its redo instruction and temperature only where they are not the defaults, so that
-    harvests made before those keys existed keep their fingerprint."""
-    section = asdict(config.redumix)
-    if section["instruction"] == "redo":
-        del section["instruction"]
-    if section["redo_temperature"] is None:
-        del section["redo_temperature"]
-    return section
+def harvest_fingerprint(config: Config, task: Task) -> str:
+    return fingerprint(harvest_record(config, task))
 
 
-def model_settings(config: Config) -> dict:
-    """The model section as harvests were fingerprinted with it. compile_decoding changes speed and float rounding
-    only, as the batch size does, so a harvest may resume with it switched. The embedded model's path is recorded as
-    'base', its name before the rename, so that its harvests keep their fingerprint."""
-    model = {k: v for k, v in asdict(config.model).items() if k != "compile_decoding"}
-    if model["path"] == EMBEDDED:
-        model["path"] = "base"
-    return model
+# --- the folder's marker: fingerprint.json --------------------------------------------------------------------------
 
 
-def _flat(section: dict) -> dict:
-    """A section with its subsections' keys lifted to the top: the layout harvests were fingerprinted with before
-    `base.corpus` had its own section, so those harvests still resume."""
-    flat = {}
-    for key, value in section.items():
-        flat.update(value if isinstance(value, dict) else {key: value})
-    return flat
+@dataclass(frozen=True)
+class Marker:
+    """What `fingerprint.json` says: the record the folder's rows were made with (None when a marker of version 0
+    is too old to hold it), the fingerprints its shards and manifest may carry (a migrated folder's older rows carry
+    the version 0 one), and whether it is of version 0."""
+
+    record: dict[str, Any] | None
+    fingerprints: frozenset[str]
+    old: bool
+
+    def as_json(self) -> dict[str, Any]:
+        """The marker in the current version; a version 0 fingerprint is kept as `migrated_from`."""
+        assert self.record is not None
+        current = fingerprint(self.record)
+        older = sorted(self.fingerprints - {current})
+        return {"version": RECORD_VERSION, "fingerprint": current, "record": self.record,
+                **({"migrated_from": older} if older else {})}
 
 
-def check_fingerprint(found: str | None, expected: str, out: Path, settings: dict) -> None:
-    if found != expected:
-        raise ValueError(
-            f"{out} holds a harvest made with a different config (fingerprint {found}, this config {expected}; "
-            f"{_differences(out / 'fingerprint.json', settings)}); use another --run-dir, or delete that folder to "
-            "harvest again"
-        )
+def read_marker(folder: Path) -> Marker | None:
+    """The harvest folder's marker, a version 0 one read into the current version (docs/robustness.md), or None."""
+    path = Path(folder) / MARKER
+    if not path.is_file():
+        return None
+    stored = read_json(path)
+    if stored.get("version") == RECORD_VERSION:
+        return Marker(stored["record"], frozenset([stored["fingerprint"], *stored.get("migrated_from", [])]), False)
+    settings, found = stored.get("settings"), stored.get("fingerprint")
+    known = isinstance(settings, dict) and v0_hash(settings) == found  # the settings that made the hash
+    return Marker(harvest_record_v0(settings) if known else None, frozenset([str(found)]), True)
 
 
-def _differences(marker: Path, settings: dict) -> str:
-    """`what differs: redumix.lam: 0.5 -> 0.7, ...`, from the settings that fingerprint.json keeps."""
-    try:
-        theirs = read_json(marker).get("settings")
-    except (OSError, ValueError):
-        theirs = None
-    if not isinstance(theirs, dict):
-        return f"{marker.name} predates the stored settings, so the keys that differ are not known"
-    changed = settings_differences(theirs, settings)
-    return "what differs: " + ", ".join(changed) if changed else "the stored settings match; only the hash differs"
+def check_marker(out: Path, marker: Marker, record: dict[str, Any], manifest: str | None = None) -> None:
+    """Refuse a folder made with another record (naming each key that differs), or whose manifest carries a
+    fingerprint that is not the folder's own."""
+    if marker.record is None:
+        raise ValueError(f"{out / MARKER} predates the stored settings (a harvest made before 2026-11-24), so whether "
+                         "it was made with this config cannot be known; delete that folder to harvest again")
+    changed = settings_differences(marker.record, record)
+    if changed:
+        raise ValueError(f"{out} holds a harvest made with a different config (what differs: {', '.join(changed)}); "
+                         "use another --run-dir, or delete that folder to harvest again")
+    if manifest is not None and manifest not in marker.fingerprints:
+        raise ValueError(f"{out}/manifest.json carries fingerprint {manifest}, not this folder's ({MARKER}: "
+                         f"{', '.join(sorted(marker.fingerprints))}); delete that folder to harvest again")
+
+
+def accept_folder(out: Path, record: dict[str, Any], manifest: str | None = None) -> frozenset[str]:
+    """The fingerprints this run takes in from `out`, once its marker says it was made with `record`; a version 0
+    marker that matches is rewritten in the current version (rank 0), the one migration of an old folder."""
+    marker = read_marker(out) or Marker(record, frozenset([fingerprint(record)]), False)  # none: its own rows only
+    check_marker(out, marker, record, manifest)
+    if marker.old and rank() == 0:
+        atomic_write_json(out / MARKER, marker.as_json())
+        print0(f"harvest: {out / MARKER} rewritten in record version {RECORD_VERSION} (it was made by an older "
+               "redumix, with these settings)")
+    return marker.fingerprints | {fingerprint(record)}
+
+
+def made_with(folder: Path, record: dict[str, Any]) -> bool:
+    """Whether `folder` holds a complete harvest made with `record` (ablation copies such a one)."""
+    marker = read_marker(folder)
+    complete = (Path(folder) / "manifest.json").is_file()
+    return complete and marker is not None and marker.record is not None and not settings_differences(
+        marker.record, record)
 
 
 def settings_differences(theirs: dict, settings: dict) -> list[str]:
@@ -129,20 +156,23 @@ def _dotted(settings: dict, prefix: str = "") -> dict:
     return flat
 
 
-def claim_folder(out: Path, config: Config, fingerprint: str, settings: dict) -> None:
-    """Record which config the shards in `out` belong to, or refuse to mix in shards of another config."""
-    marker = out / "fingerprint.json"
+def claim_folder(out: Path, config: Config, record: dict[str, Any]) -> frozenset[str]:
+    """Record which config the shards in `out` belong to, or refuse to mix in shards of another config. Returns the
+    fingerprints of the rows this run takes in."""
+    marker = out / MARKER
     if rank() == 0:
         if marker.exists():
-            check_fingerprint(read_json(marker).get("fingerprint"), fingerprint, out, settings)
+            accepted = accept_folder(out, record)
         elif shard_paths(out):
-            raise ValueError(f"{out} holds shards but no fingerprint.json; delete the folder to harvest again")
+            raise ValueError(f"{out} holds shards but no {MARKER}; delete the folder to harvest again")
         else:
-            atomic_write_json(marker, {"fingerprint": fingerprint, "settings": settings})
+            accepted = frozenset([fingerprint(record)])
+            atomic_write_json(marker, Marker(record, accepted, False).as_json())
             atomic_write_text(out / "config.yaml", config_to_yaml(config))
     barrier()
     if rank() != 0:
-        check_fingerprint(read_json(marker).get("fingerprint"), fingerprint, out, settings)
+        accepted = accept_folder(out, record)
+    return accepted
 
 
 def check_harvest(folder: Path) -> None:
@@ -211,7 +241,7 @@ def harvest_manifest(config: Config, out: Path, n_shards: int, fingerprint: str)
         "examples_per_s": round(n / seconds, 2) if seconds else None,
         # the engines that decoded the rows (two after a resume on the other one), the ReDuMix pairs vLLM split and
         # decoded again (counted once per retry), and vLLM's version where it ran
-        "engine": "+".join(sorted(engines)) or config.harvest.engine,
+        "engine": "+".join(sorted(engines)) or config.engine,
         "retried_pairs": retried,
         "vllm_version": vllm_version() if "vllm" in engines else None,
         "peak_rss_mb": peak_rss_mb(),  # this process's (rank 0's) peak: shards stream, so n does not raise it

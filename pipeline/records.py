@@ -1,11 +1,13 @@
 """Eval's resumable record store: one JSON Lines file per (checkpoint, decoder), rewritten atomically after each
-batch. A record belongs to the model and decoder settings it was made with (its `model` key: the weights' content
-hash, `lineage.model_id`, and the decoder's and task's fingerprints); records made with anything else are ignored, so
-a rerun after a crash scores only what is missing.
+batch. A record belongs to the model and decoder it was made with (its `model` key, `record_identity`: the weights'
+content hash, `lineage.model_id`, the decoder's fingerprint and the engine) and to the problem it answers (its own
+`prompt` and `reference`, compared with the example's); records made with anything else are ignored, so a rerun after
+a crash scores only what is missing.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,6 +27,33 @@ def read_records(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [record for _, record in read_jsonl(path, fix=REDO)]
+
+
+def record_identity(weights: str | None, decoder: str, engine: str) -> str:
+    """What a record belongs to: the weights' content hash, the decoder's fingerprint, and the engine that decoded it
+    where it is not Hugging Face's (`hf`): the engines' replies differ at bf16 near ties, so records of one are not
+    resumed as the other's. Which problem it answers is the record's own prompt and reference (`records_for`)."""
+    return f"{weights}:{decoder}" + ("" if engine == "hf" else f":{engine}")
+
+
+# Before records were matched by their prompt, the task's fingerprint (12 hex digits) stood third in their identity.
+_WITH_TASK = re.compile(r"([^:]*:[^:]*):[0-9a-f]{12}(:.*)?")
+
+
+def records_for(path: Path, identity: str, examples: Sequence[Example]) -> dict[str, dict]:
+    """The records in `path` of `identity` that answer `examples` (same id, prompt and reference), by id. A record
+    written with the task's fingerprint in its identity is read in the current form, and written so with the next
+    batch (docs/robustness.md, "Fingerprints and old run folders")."""
+    wanted = {example.id: example for example in examples}
+    found = {}
+    for record in read_records(path):
+        example = wanted.get(record.get("id", ""))
+        old = _WITH_TASK.fullmatch(str(record.get("model")))
+        model = old.group(1) + (old.group(2) or "") if old else record.get("model")
+        if example and model == identity and (record.get("prompt"), record.get("reference")) == (
+                example.prompt, example.reference):
+            found[example.id] = {**record, "model": identity}
+    return found
 
 
 def make_record(
@@ -64,7 +93,7 @@ def score_resumable(
     desc: str,
 ) -> list[dict]:
     """Records of `examples` in order: those already in `path` for `identity`, the rest decoded batch by batch."""
-    done = {r["id"]: r for r in read_records(path) if r.get("model") == identity}
+    done = records_for(path, identity, examples)
     todo = [e for e in examples if e.id not in done]
     bar = tqdm(total=len(examples), initial=len(examples) - len(todo), desc=desc, unit="ex")
     for start in range(0, len(todo), batch_size):

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from redumix.common.fingerprints import RECORD_VERSION, fingerprint
 from redumix.pipeline import reference
 from redumix.pipeline.cli import QUIET_ENVIRONMENT, SECTIONS, STAGES, main
 from redumix.pipeline.config import load_config
 from redumix.pipeline.decoders import DECODERS
-from redumix.pipeline.harvest_folder import _differences, claim_settings
+from redumix.pipeline.harvest_folder import accept_folder, claim_settings
 from redumix.pipeline.resolve import config_to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,14 +131,20 @@ def test_make_help_lists_the_targets():
     assert " ".join(STAGES) in done.stdout
 
 
-def test_a_refused_harvest_names_the_keys_that_differ(tmp_path):
+def test_a_refused_harvest_names_the_keys_that_differ_and_changes_nothing(tmp_path):
     marker = tmp_path / "fingerprint.json"
     theirs = {"seed": 0, "redumix": {"lam": 0.5, "topk": 32}, "harvest": {"n": 8}}
-    marker.write_text(json.dumps({"fingerprint": "abc", "settings": theirs}))
+    marker.write_text(json.dumps({"version": RECORD_VERSION, "fingerprint": fingerprint(theirs), "record": theirs}))
     ours = {"seed": 0, "redumix": {"lam": 0.7, "topk": 32}, "harvest": {"n": 8, "skip": 8}}
-    assert _differences(marker, ours) == "what differs: harvest.skip: \"(unset)\" -> 8, redumix.lam: 0.5 -> 0.7"
-    marker.write_text(json.dumps({"fingerprint": "abc"}))  # a folder harvested before the settings were kept
-    assert "predates the stored settings" in _differences(marker, ours)
+    said = 'what differs: harvest.skip: "(unset)" -> 8, redumix.lam: 0.5 -> 0.7'
+    with pytest.raises(ValueError, match=re.escape(said)):
+        accept_folder(tmp_path, ours)
+    assert accept_folder(tmp_path, theirs) == {fingerprint(theirs)}
+    old = json.dumps({"fingerprint": "abc"})  # a folder harvested before the settings were kept
+    marker.write_text(old)
+    with pytest.raises(ValueError, match="predates the stored settings"):
+        accept_folder(tmp_path, ours)
+    assert marker.read_text() == old
 
 
 def test_records_resume_only_under_the_settings_that_made_them(tmp_path):

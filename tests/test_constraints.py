@@ -23,7 +23,7 @@ from redumix.data.constraints import (
 from redumix.data.shards import iter_rows, shard_paths
 from redumix.data.splits import BUCKETS
 from redumix.data.task import Example
-from redumix.data.tasks import flat_settings, make_task
+from redumix.data.tasks import make_task, task_record
 from redumix.pipeline.config import load_config
 from redumix.pipeline.eval import run_eval
 from redumix.pipeline.harvest import run_harvest
@@ -156,14 +156,18 @@ def test_too_few_distinct_problems_is_an_error_not_a_hang():
         task.examples("train", 40)
 
 
-def test_the_task_joins_the_fingerprints_only_when_named():
-    # A run of another task keeps its fingerprints, and the shipped base still matches its recipe.
+def test_only_the_named_task_joins_the_fingerprints():
+    # A run of another task keeps its fingerprints whatever this task's settings, and the shipped base still matches
+    # its recipe.
     arith = load_config(ROOT / "recipes" / "tiny.yaml")
-    assert "constraints" not in flat_settings(arith.task)
+    moved = load_config(ROOT / "recipes" / "tiny.yaml", ["task.constraints.constraints_max=2", "task.gsm8k.path=x"])
+    assert task_record(arith.task) == task_record(moved.task)
+    assert task_record(arith.task)["settings"] == {"steps_min": 2, "steps_max": 3, "start_max": 20, "operand_max": 20,
+                                                   "factor_max": 9, "mul_value_max": 99}
     shipped = yaml.safe_load((ROOT / "models" / "tiny-base" / "build_config.yaml").read_text())
-    assert flat_settings(arith.task) == shipped["task"]
+    assert task_record(arith.task) == shipped["task"]
     config = load_config(RECIPE)
-    assert flat_settings(config.task)["constraints"]["kinds"] == list(KINDS)
+    assert task_record(config.task)["settings"]["kinds"] == list(KINDS)
     assert isinstance(make_task(config.task, config.seed), ConstraintsTask)
 
 
