@@ -28,7 +28,7 @@ from redumix.generate.vllm_engine import VllmSettings
 from redumix.pipeline.decoders import DEFAULT_DECODERS, decoders_help
 from redumix.pipeline.evidence_arms import ARMS, arms_help
 from redumix.pipeline.resolve import ConfigError, resolve
-from redumix.pipeline.run import REPO
+from redumix.pipeline.run import REPO, in_repo
 from redumix.train.config import TrainConfig
 
 RECIPES = REPO / "recipes"
@@ -44,13 +44,6 @@ class HarvestConfig:
     skip: int = field(
         default=0,
         metadata={"help": "Harvest the split's examples [skip, skip + n); `rounds` moves it on by n each round."},
-    )
-    engine: Literal["hf", "vllm"] = field(
-        default="hf",
-        metadata={"help": "What decodes the harvest: 'hf', redumix's own loop on transformers, or 'vllm', every "
-                  "stage on an in-process vLLM engine with the redo as paired requests (`make vllm` installs it; "
-                  "settings in the `vllm` section; not the embedded default, whose head_dim vLLM's CPU kernel "
-                  "lacks)."},
     )
 
     def __post_init__(self) -> None:
@@ -90,11 +83,6 @@ class EvalConfig:
                   "folder's name)."},
     )
     sample_temperature: float = field(default=0.7, metadata={"help": "Temperature of the `sample` decoder."})
-    engine: Literal["hf", "vllm"] = field(
-        default="hf",
-        metadata={"help": "What decodes greedy, sample and longhand: 'hf' or 'vllm' (`make vllm`; the `vllm` "
-                  "section). The other decoders need token-level control of the cache and stay on 'hf'."},
-    )
 
     def __post_init__(self) -> None:
         problems = [f"{name} must be >= 1" for name in ("n", "n_other", "batch_size") if getattr(self, name) < 1]
@@ -164,12 +152,6 @@ class LadderConfig:
         metadata={"help": "Independent second tries from x alone at redumix.redo_temperature (k attempts per "
                   "problem). From 2, the table adds, at equal samples, each redo with a resample (keep the one the "
                   "verifier passes) against two resamples; a larger count later adds samples to the records."},
-    )
-    engine: Literal["hf", "vllm"] = field(
-        default="hf",
-        metadata={"help": "What decodes the ladder: 'hf', redumix's own loop, or 'vllm', every stage on an in-process "
-                  "vLLM engine with each redo as paired requests (`make vllm`; the `vllm` section). Both draw with "
-                  "the same per-problem noise; a ladder's records come from one engine."},
     )
 
     def __post_init__(self) -> None:
@@ -252,6 +234,14 @@ class Config:
         metadata={"help": "The run's one seed: which problems, the embedded model's and trainer's initialisation and "
                   "data order, and every example's sampling noise (each example derives its own from it and its id)."},
     )
+    engine: Literal["hf", "vllm"] = field(
+        default="hf",
+        metadata={"help": "What decodes every stage (harvest, eval, ladder, RFT's samples): 'hf', redumix's own loop "
+                  "on transformers, or 'vllm', an in-process vLLM engine with each redo as paired requests (`make "
+                  "vllm` installs it; settings in the `vllm` section; not the embedded default, whose head_dim "
+                  "vLLM's CPU kernel lacks). Both draw with the same per-example noise. Decoders that need the cache "
+                  "token by token (reflective, moi, cntp, speculative, pdr) run on 'hf' either way."},
+    )
     model: ModelConfig = field(default_factory=ModelConfig)
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -310,7 +300,7 @@ def find_recipe(recipe: str | Path) -> Path:
     """A recipe file: the path as given, else that path inside the repository (the Makefile's `recipes/tiny.yaml`
     from another directory), else a bundled recipe's name (`tiny`, `tiny.yaml`)."""
     given = Path(recipe)
-    tries = [given] if given.is_absolute() else [given, REPO / given, RECIPES / given, RECIPES / f"{given}.yaml"]
+    tries = [given] if given.is_absolute() else [in_repo(given), RECIPES / given, RECIPES / f"{given}.yaml"]
     for path in tries:
         if path.is_file():
             return path

@@ -19,23 +19,23 @@ rewritten atomically after every batch. A rerun skips the examples already score
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from pathlib import Path
 
 from redumix.common.files import atomic_write_json, atomic_write_jsonl, atomic_write_text, log_metrics, read_json
+from redumix.common.fingerprints import fingerprint as fingerprint_of
 from redumix.common.ranks import barrier, init_distributed, peak_rss_mb, print0, rank, world_size
 from redumix.data.task import Task
-from redumix.data.tasks import flat_settings, make_task
+from redumix.data.tasks import make_task
 from redumix.generate.decoder import fingerprint
-from redumix.generate.model_io import load_model, pick_device
+from redumix.generate.engine import Engine
 from redumix.pipeline.config import Config
 from redumix.pipeline.decoders import BASELINE, DECODERS, DecoderEntry, check_decoder_names, family, make_decoder
 from redumix.pipeline.embedded_stage import ensure_embedded
+from redumix.pipeline.engines import HF, check_engine, open_engine
 from redumix.pipeline.lineage import file_id, harvest_id, model_id
 from redumix.pipeline.plot import plot_accuracy_vs_fpe
 from redumix.pipeline.preflight import check_inputs
-from redumix.pipeline.records import make_record, read_records, records_path, score_resumable
+from redumix.pipeline.records import make_record, record_identity, records_for, records_path, score_resumable
 from redumix.pipeline.report import (
     reflection_diagnostics,
     report_markdown,
@@ -68,6 +68,10 @@ def run_eval(
     examples = task.examples(config.eval.split, max(config.eval.n, config.eval.n_other))
     for path in checkpoints.values():  # before eval/ is written to
         check_inputs(config.model, path, examples, config.sampling.max_new_tokens)
+    if check_engine(config, run)[1] != world_size():
+        # eval gives each rank its own examples, and the ranks of a tensor-parallel engine must decode the same ones.
+        raise ValueError(f"eval takes one engine per rank: set vllm.tensor_parallel_size=1 (NPROC=N gives N engines); "
+                         f"tensor parallelism is for the harvest (engine={config.engine})")
     out.mkdir(parents=True, exist_ok=True)
     if rank() == 0:
         atomic_write_text(out / "config.yaml", config_to_yaml(config))
@@ -133,44 +137,41 @@ def evaluate_checkpoint(
     config: Config, run: RunDir, task: Task, decoders: dict[str, DecoderEntry], checkpoint: str, path: Path
 ) -> dict[str, list[dict]]:
     """Every listed decoder on one checkpoint, in order; a decoder may be built from the records before it."""
-    loaded: dict = {}
+    engines: dict[str, Engine] = {}
 
-    def model_and_engine():
-        """The model, its tokenizer and the engine, loaded when a decoder first has examples to decode: a resumed
-        eval whose records are all written loads nothing. Under torchrun every rank loads at once, since vLLM's
-        engine build is a collective over the ranks."""
-        if not loaded:
-            loaded["model"], loaded["tokenizer"] = load_model(path, config.model)
-            loaded["engine"] = _engine(config, path)
-        return loaded["model"], loaded["tokenizer"], loaded["engine"]
+    def engine_named(name: str) -> Engine:
+        """The engine, loaded when a decoder first has examples to decode: a resumed eval whose records are all
+        written loads nothing."""
+        if name not in engines:
+            engines[name] = open_engine(config, path, name)
+        return engines[name]
 
-    if world_size() > 1:
-        model_and_engine()
+    if world_size() > 1:  # every rank loads at once: vLLM's engine build is a collective over the ranks
+        engine_named(config.engine)
     weights = model_id(path)
     examples = task.examples(config.eval.split, max(config.eval.n, config.eval.n_other))
     results: dict[str, list[dict]] = {}
     for name in decoders_for(config, checkpoint):
         decoder = make_decoder(config, name, results, decoders)
-        on_engine = config.eval.engine == "vllm" and hasattr(decoder, "on_engine")
-        if config.eval.engine == "vllm" and not on_engine:
-            print0(f"eval: {name} needs token-level control of the cache, so it runs on Hugging Face "
-                   "(eval.engine=vllm decodes greedy, sample and longhand)")
-        # The engine is part of a record's identity: the two engines' replies differ at bf16 near ties, so records
-        # of one are not resumed as the other's.
-        identity = f"{weights}:{fingerprint(decoder)}:{task_fingerprint(config, task)}" + (":vllm" * on_engine)
+        engine = HF if decoder.needs_hf_engine else config.engine
+        if engine != config.engine:
+            print0(f"eval: {name} needs the cache token by token, so it runs on the {HF!r} engine")
+        # The engine is part of a record's identity (HF's records, the first, carry none): the two engines' replies
+        # differ at bf16 near ties, so records of one are not resumed as the other's.
+        identity = record_identity(weights, fingerprint(decoder), engine)
         count = config.eval.n if name == BASELINE else config.eval.n_other
         records = records_path(run.eval / "generations", checkpoint, name)
         # Each rank scores every world_size-th example into its own part file; rank 0 gathers them in order.
         wanted = examples[:count]
         mine = wanted
         if world_size() > 1:
-            gathered = {r["id"] for r in read_records(records) if r.get("model") == identity}
+            gathered = records_for(records, identity, wanted)
             mine = [e for e in wanted[rank() :: world_size()] if e.id not in gathered]
         score_resumable(
             records if world_size() == 1 else rank_part(records, rank()),
             identity,
             mine,
-            _decode(decoder, model_and_engine, task),
+            lambda batch, decoder=decoder, engine=engine: decoder(engine_named(engine), batch, task),
             lambda example, out, seconds, name=name, identity=identity: make_record(
                 example, out, task, name, checkpoint, identity, seconds
             ),
@@ -182,38 +183,11 @@ def evaluate_checkpoint(
             if rank() == 0:
                 gather_parts(records, identity, wanted, world_size())
             barrier()
-        by_id = {r["id"]: r for r in read_records(records) if r.get("model") == identity}
+        by_id = records_for(records, identity, wanted)
         results[name] = [by_id[e.id] for e in wanted]
-    if loaded.get("engine") is not None:
-        loaded["engine"].close()
+    for opened in engines.values():
+        opened.close()
     return results
-
-
-def _engine(config: Config, path: Path):
-    """The vLLM engine for this checkpoint when eval.engine=vllm (refused, naming the key, where vLLM cannot run)."""
-    if config.eval.engine != "vllm":
-        return None
-    if config.vllm.tensor_parallel_size > 1:
-        # eval gives each rank its own examples, and the ranks of a tensor-parallel engine must decode the same ones.
-        raise ValueError("eval.engine=vllm takes vllm.tensor_parallel_size=1 (one engine per rank, NPROC=N); "
-                         "tensor parallelism is for the harvest, or set eval.engine=hf")
-    from redumix.generate.vllm_engine import VllmEngine
-
-    return VllmEngine(path, config.vllm, config.model.dtype, config.seed, str(pick_device(config.model.device)),
-                      config.model.trust_remote_code, key="eval.engine")
-
-
-def _decode(decoder, model_and_engine, task: Task):
-    """A batch's decoding: on the engine where the decoder has an `on_engine` form, else on the Hugging Face model
-    (both loaded by the first batch)."""
-
-    def decode(batch):
-        model, tokenizer, engine = model_and_engine()
-        if engine is not None and hasattr(decoder, "on_engine"):
-            return decoder.on_engine(engine, model, tokenizer, batch)
-        return decoder(model, tokenizer, batch, task)
-
-    return decode
 
 
 def rank_part(path: Path, index: int) -> Path:
@@ -222,10 +196,10 @@ def rank_part(path: Path, index: int) -> Path:
 
 def gather_parts(path: Path, identity: str, examples: list, ranks: int) -> None:
     """The records already in `path` plus every rank's part, in example order, into `path`; then the parts go."""
-    found = {r["id"]: r for r in read_records(path) if r.get("model") == identity}
+    found = records_for(path, identity, examples)
     parts = [rank_part(path, index) for index in range(ranks)]
     for part in parts:
-        found.update({r["id"]: r for r in read_records(part) if r.get("model") == identity})
+        found.update(records_for(part, identity, examples))
     missing = [e.id for e in examples if e.id not in found]
     if missing:
         raise RuntimeError(f"eval: {path.name}: no record of {len(missing)} examples after every rank finished "
@@ -242,19 +216,12 @@ def decoders_for(config: Config, checkpoint: str) -> list[str]:
 # --- fingerprints -------------------------------------------------------------------------------------------------
 
 
-def task_fingerprint(config: Config, task: Task) -> str:
-    """Which task and which problems: a record made for another task or seed is not reused."""
-    decisive = {"task": task.name, "settings": flat_settings(config.task), "seed": config.seed}
-    return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:12]
-
-
 def eval_fingerprint(config: Config, task: Task, checkpoints: dict[str, Path]) -> str:
     """Decides whether a finished report still stands: the whole resolved config (not its name) and the models.
 
-    A setting that changes no record costs only a rebuild of the report from the stored records.
+    A setting that changes no record costs only a rebuild of the report from the stored records, so this hash may
+    follow the config's layout: a rename rebuilds the report once, and decodes nothing.
     """
     settings = {k: v for k, v in dataclasses.asdict(config).items() if k != "name"}
-    settings["task"] = flat_settings(config.task)  # the layout reports were fingerprinted with before task sections
     models = {k: model_id(v) for k, v in checkpoints.items()}
-    decisive = {"config": settings, "task": task.name, "models": models}
-    return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:16]
+    return fingerprint_of({"config": settings, "task": task.name, "models": models})
