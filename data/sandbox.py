@@ -138,7 +138,7 @@ def _run(program: Program, limits: Limits, drop: bool) -> Outcome:
             os.chown(work, NOBODY, NOBODY)
         config = {"result_fd": result_w, "secret_fd": secret_r, "timeout_s": limits.timeout_s,
                   "limits": limits.rlimits()}
-        user = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if drop else {}
+        user: dict[str, Any] = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if drop else {}
         process = subprocess.Popen([sys.executable, "-I", "-S", "-c", BOOT, json.dumps(config)], stdin=subprocess.PIPE,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=work,
                                    env=_environment(work), pass_fds=(secret_r, result_w), start_new_session=True,
@@ -154,7 +154,7 @@ def _run(program: Program, limits: Limits, drop: bool) -> Outcome:
         except (ProcessLookupError, PermissionError):
             pass
         process.wait()
-        return _outcome(raw, nonce, timed_out, limits, time.monotonic() - began)
+        return _outcome(raw, nonce, timed_out, time.monotonic() - began)
     finally:
         for fd in (secret_r, secret_w, result_r, result_w):
             if fd >= 0:
@@ -188,8 +188,8 @@ def _read_events(fd: int, deadline: float) -> tuple[bytes, bool]:
     return raw, False
 
 
-def _outcome(raw: bytes, nonce: str, timed_out: bool, limits: Limits, seconds: float) -> Outcome:
-    events = []
+def _outcome(raw: bytes, nonce: str, timed_out: bool, seconds: float) -> Outcome:
+    events: list[dict[str, Any]] = []
     for line in raw.splitlines():
         try:
             event = json.loads(line)
@@ -200,7 +200,7 @@ def _outcome(raw: bytes, nonce: str, timed_out: bool, limits: Limits, seconds: f
     isolation = next(({k: v for k, v in e.items() if k != "event"} for e in events if e.get("event") == "isolation"),
                      {})
     verdicts = [e for e in events if e.get("event") in ("pass", "fail")]
-    common = {"seconds": round(seconds, 4), "isolation": isolation}
+    common: dict[str, Any] = {"seconds": round(seconds, 4), "isolation": isolation}
     if verdicts and verdicts[-1] == {"event": "pass", "nonce": nonce}:
         return Outcome(True, "pass", **common)
     status = next((_status(e.get("status")) for e in events if e.get("event") == "runner"), "")
@@ -210,7 +210,7 @@ def _outcome(raw: bytes, nonce: str, timed_out: bool, limits: Limits, seconds: f
             return Outcome(False, "timeout", started[-1] if started else None, status=status, **common)
         return Outcome(False, "crash", status="the judge ended without a verdict", **common)
     fail = verdicts[-1]
-    raised = fail.get("raised") if isinstance(fail.get("raised"), dict) else {}
+    raised: dict[str, Any] = fail["raised"] if isinstance(fail.get("raised"), dict) else {}
     kind = str(fail.get("kind", "crash"))
     if kind == "exit" and status.startswith("killed by SIGXCPU"):
         kind = "timeout"  # the CPU limit, the timeout rounded up, ended it

@@ -163,8 +163,8 @@ class _Context:
 
 
 if make_scanner is not None:
-    _scan = make_scanner(_Context())
-    _encode = make_encoder(None, None, encode_basestring_ascii, None, ":", ",", False, False, False)
+    _scan = make_scanner(_Context())  # type: ignore[arg-type]  # any object with a decoder's attributes
+    _encode = make_encoder(None, None, encode_basestring_ascii, None, ":", ",", False, False, False)  # type: ignore
 
     def dumps(value):
         """Strict JSON text, ASCII only (so it never holds a newline)."""
