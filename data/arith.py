@@ -213,9 +213,9 @@ def slip(rng: random.Random, line: Line) -> Line:
     if kind == "copy" and line.right >= 10 and line.op != "*":
         digits = str(line.right)
         swapped = int(digits[::-1]) if digits[0] != digits[-1] else line.right + rng.choice([-1, 1])
-        wrong = Line(line.left, line.op, swapped, 0)
-        if wrong.right_result > 0 and swapped > 0:
-            return Line(line.left, line.op, swapped, wrong.right_result)
+        copied = Line(line.left, line.op, swapped, 0)
+        if copied.right_result > 0 and swapped > 0:
+            return Line(line.left, line.op, swapped, copied.right_result)
     true = line.right_result
     for _ in range(20):
         if kind == "carry":

@@ -8,6 +8,8 @@ ReDuMix extend stage 1's KV cache instead of re-encoding it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from transformers import PreTrainedTokenizerBase
 
 from redumix.data.prompts import Message
@@ -19,6 +21,14 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> l
     """Token ids of a conversation rendered with the generation prompt, ready for the assistant's turn."""
     text = _render(tokenizer, messages)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def decode_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """The text of one sequence of ids (transformers types `decode` as `str | list[str]`, for a batch of them)."""
+    text = tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    if not isinstance(text, str):
+        raise TypeError(f"{type(tokenizer).__name__}.decode gave {type(text).__name__} for one sequence, not str")
+    return text
 
 
 def template_pieces(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> list[list[int]]:

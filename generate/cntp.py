@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from redumix.data.chat import decode_text
 from redumix.data.task import Example, Task
 from redumix.generate.accounting import Usage
 from redumix.generate.decoder import Decoded, attempt_prompts, example_seeds
@@ -202,8 +203,10 @@ def _sample(rows: list[_Row], examples: list[_Example], logits: torch.Tensor, po
         idx = [r for r, row in enumerate(rows) if row.samples and (row.trial is not None) == is_trial]
         if not idx:
             continue
-        seeds = [rows[r].trial.seed if is_trial else examples[rows[r].example].seed for r in idx]
-        steps = [len(rows[r].trial.tokens) if is_trial else len(examples[rows[r].example].tokens) for r in idx]
+        # A trial row draws with the trial's noise at its own position, an example row with the example's.
+        owners = [rows[r].trial or examples[rows[r].example] for r in idx]
+        seeds = [owner.seed for owner in owners]
+        steps = [len(owner.tokens) for owner in owners]
         idx_t = torch.as_tensor(idx, device=logits.device)
         as_tensor = functools.partial(torch.as_tensor, dtype=torch.long, device=logits.device)
         # Greedy takes the argmax of the raw logits, exactly as plain decoding does.
@@ -328,7 +331,7 @@ class CntpDecoder:
         results = cntp_generate(model, tokenizer, attempt_prompts(tokenizer, examples), self.policy,
                                 example_seeds(self.seed, examples, self.name), stop_ids, self.config)
         return [
-            Decoded(tokenizer.decode(r.generation.content_ids(stop_ids), skip_special_tokens=True),
+            Decoded(decode_text(tokenizer, r.generation.content_ids(stop_ids)),
                     r.generation.token_ids, r.generation.usage,
                     {"trial_steps": len(r.branches), "trials": sum(len(b.trials) for b in r.branches)})
             for r in results

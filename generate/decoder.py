@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
-from redumix.data.chat import prompt_ids
+from redumix.data.chat import decode_text, prompt_ids
 from redumix.data.prompts import attempt_messages
 from redumix.data.task import Example, Task
 from redumix.generate.accounting import Usage
@@ -85,5 +85,5 @@ def answer_directly(
     """Run a decoder that answers each prompt x in one generation, and wrap its generations as results."""
     tokenizer, stop_ids = engine.tokenizer, engine.stop_ids
     gens = generate(attempt_prompts(tokenizer, examples, messages), example_seeds(seed, examples, name))
-    return [Decoded(tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True), g.token_ids, g.usage)
+    return [Decoded(decode_text(tokenizer, g.content_ids(stop_ids)), g.token_ids, g.usage)
             for g in gens]

@@ -6,7 +6,7 @@ import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from transformers import (
@@ -23,7 +23,15 @@ from redumix.generate.state import use_compiled_decoding
 
 # What to do about a model folder file that does not read.
 COPY_AGAIN = "copy the model's files there again, or set model.path to another folder"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Dtype = Literal["float32", "bfloat16", "float16", "auto"]  # `model.dtype`
+DTYPES: dict[Dtype, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def to_device(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
+    """`model.to(device)`. transformers wraps `to` with functools.wraps, which type checkers read as a function that
+    still wants its `self`; the call itself is the plain one."""
+    move: Any = model.to
+    return move(device)
 
 
 def pick_device(device: str = "auto") -> torch.device:
@@ -46,7 +54,7 @@ class ModelConfig:
                   "RUN_DIR/embedded; otherwise a local Hugging Face model folder."},
     )
     trust_remote_code: bool = field(default=False, metadata={"help": "Run model code shipped with the checkpoint."})
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = field(
+    dtype: Dtype = field(
         default="float32",
         metadata={"help": "Weights dtype. 'auto': bfloat16 on a GPU that supports it and on a CPU with bf16 in "
                   "hardware (AVX512-BF16, AMX or Arm's BF16), float32 elsewhere. Mixtures, stored log-probs and "
@@ -95,7 +103,7 @@ def load_model(
     tokenizer = load_tokenizer(path, settings.trust_remote_code)
     tokenizer.padding_side = "left"
     model = load_weights(path, settings)
-    model.to(pick_device(settings.device)).eval()
+    to_device(model, pick_device(settings.device)).eval()
     if settings.compile_decoding:
         use_compiled_decoding(model)
     return model, tokenizer
@@ -187,7 +195,7 @@ def folder_stop_ids(
     return stop_token_ids(SimpleNamespace(generation_config=generation), tokenizer)
 
 
-def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def stop_token_ids(model: PreTrainedModel | SimpleNamespace, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Every id that ends an assistant turn: the tokenizer's eos plus the generation config's eos ids."""
     ids = set()
     if tokenizer.eos_token_id is not None:

@@ -84,6 +84,7 @@ def moi_generate(
 ) -> list[Generation]:
     """Decode a batch of prompts with Mixture of Inputs; same accounting as `generate_batch`."""
     embedding = model.get_input_embeddings().weight
+    assert isinstance(embedding, torch.Tensor)  # typed Tensor | Module by torch's Module.__getattr__
     seeds_t = torch.as_tensor(list(seeds))
 
     def choose(logits: torch.Tensor, live: torch.Tensor, step: int) -> Choice:

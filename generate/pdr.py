@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from redumix.data.chat import prompt_ids
+from redumix.data.chat import decode_text, prompt_ids
 from redumix.data.prompts import attempt_messages, distill_messages, format_workspace, refine_messages
 from redumix.data.task import Example, Task
 from redumix.generate.accounting import Usage
@@ -110,7 +110,7 @@ def fit_tokens(tokenizer: PreTrainedTokenizerBase, text: str, budget: int, keep_
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     keep = min(budget, len(ids))
     while keep > 0:
-        piece = tokenizer.decode(ids[-keep:] if keep_end else ids[:keep], skip_special_tokens=True)
+        piece = decode_text(tokenizer, ids[-keep:] if keep_end else ids[:keep])
         overshoot = token_count(tokenizer, piece) - budget
         if overshoot <= 0:
             return piece
@@ -120,7 +120,7 @@ def fit_tokens(tokenizer: PreTrainedTokenizerBase, text: str, budget: int, keep_
 
 def rank_drafts(answers: Sequence[str | None]) -> list[int]:
     """Draft indices: one per distinct answer by descending votes, then the rest; drafts with no answer last."""
-    votes = Counter(a for a in answers if a is not None)
+    votes: Counter[str | None] = Counter(a for a in answers if a is not None)
     by_votes = sorted(range(len(answers)), key=lambda i: (-votes.get(answers[i], 0), i))
     representatives, seen = [], set()
     for i in by_votes:
@@ -195,7 +195,7 @@ def model_distill(
     """The model's own summaries of each example's drafts, cut to `budget` tokens."""
     contexts = [prompt_ids(tokenizer, distill_messages(p, list(d))) for p, d in zip(prompts, drafts, strict=True)]
     gens = generate_batch(model, contexts, policy, seeds, stop_ids, pad_id(tokenizer), max_new_tokens=budget)
-    texts = [tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True) for g in gens]
+    texts = [decode_text(tokenizer, g.content_ids(stop_ids)) for g in gens]
     return [fit_tokens(tokenizer, t, budget) for t in texts], gens
 
 
@@ -205,7 +205,7 @@ def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
 
 def majority_draft(answers: Sequence[str | None]) -> int:
     """The first draft holding the most-voted answer (the first draft when none has an answer)."""
-    votes = Counter(a for a in answers if a is not None)
+    votes: Counter[str | None] = Counter(a for a in answers if a is not None)
     if not votes:
         return 0
     best = max(votes.values())
@@ -245,7 +245,7 @@ def pdr_generate(
         contexts = [prompt_ids(tokenizer, m) for m in messages]
         round_seeds = [[draft_seed(s, round_index, d) for d in range(config.drafts)] for s in seeds]
         last = write_drafts(model, contexts, draft_policy, round_seeds, stop_ids, pad_id(tokenizer))
-        texts = [[tokenizer.decode(g.content_ids(stop_ids), skip_special_tokens=True) for g in gens] for gens in last]
+        texts = [[decode_text(tokenizer, g.content_ids(stop_ids)) for g in gens] for gens in last]
         for b, gens in enumerate(last):
             sampled = sum(len(g.token_ids) for g in gens)
             usages[b].prefill_tokens += len(contexts[b])

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from redumix.data.chat import decode_text
 from redumix.generate.reflective_config import GateKind
 from redumix.generate.tail_text import text_ends_with
 
@@ -72,12 +73,12 @@ def peek_agrees(
     the span there. With only "not a digit" as the second test, the embedded model fell into the trap at
     intermediate steps and lost most of its accuracy (docs/measurements.md, "Reflective decoding").
     """
-    match = check_result.search(tokenizer.decode(list(span), skip_special_tokens=True))
+    match = check_result.search(decode_text(tokenizer, span))
     if match is None or not match.group(1):
         return False
     following = int(next_logits.argmax())
     closes = following == end_id or following in tokenizer.all_special_ids
-    if not closes and tokenizer.decode([following], skip_special_tokens=True).strip():
+    if not closes and decode_text(tokenizer, [following]).strip():
         return False
-    guess = tokenizer.decode([int(peek_logits.argmax())], skip_special_tokens=True).strip()
+    guess = decode_text(tokenizer, [int(peek_logits.argmax())]).strip()
     return bool(guess) and match.group(1).startswith(guess)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from redumix.generate.state import DecodeState, left_pad
 
@@ -74,6 +75,7 @@ def settle_peeks(state: DecodeState, peeked: torch.Tensor, keep: torch.Tensor, w
     lengths = state.lengths - width * drop.long()
     if not keep.any():
         for layer in state.cache.layers:
+            assert isinstance(layer, DynamicLayer)  # decoding's caches are full-attention ones (state.py)
             layer.crop(-width)
         return DecodeState(state.cache, state.attention_mask[:, :-width], lengths, state.last_logits)
     mask = state.attention_mask.clone()

@@ -48,13 +48,14 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from redumix.data.chat import decode_text
 from redumix.data.task import Example, Task
 from redumix.generate.accounting import Usage
 from redumix.generate.decoder import Decoded, attempt_prompts, example_seeds
 from redumix.generate.engine import Engine
 from redumix.generate.hf_engine import HfEngine, hf_parts
 from redumix.generate.loop import should_compact
-from redumix.generate.model_io import DTYPES, ModelConfig, load_tokenizer, load_weights, stop_token_ids
+from redumix.generate.model_io import DTYPES, ModelConfig, load_tokenizer, load_weights, stop_token_ids, to_device
 from redumix.generate.plain import PlainDecoder
 from redumix.generate.policy import SamplingPolicy, uniform_noise
 from redumix.generate.state import COMPILED_FORWARD, DecodeState, extend, merge, prefill, select, use_compiled_decoding
@@ -240,7 +241,7 @@ def _small_turn(batch: _Batch, rows: list[_Row], writers: list[int], tokenizer: 
         row = rows[i]
         if row.at_point:
             row.delimiter_points += 1
-            if _hands_over(tokenizer.decode([token], skip_special_tokens=False), top_p[j], noise[j], config):
+            if _hands_over(decode_text(tokenizer, [token], skip_special_tokens=False), top_p[j], noise[j], config):
                 row.guide_steps += 1
                 row.guide_step = 0
                 continue
@@ -276,15 +277,17 @@ def _catch_up(batch: _Batch, rows: list[_Row], wanted: list[int]) -> torch.Tenso
     where the other rows get an empty segment; the next-token logits [len(wanted), V] of the wanted rows."""
     if not wanted:
         return torch.empty(0)
+    state = batch.state
+    assert state is not None, "the rows to catch up are in the batch, so it has a cache"
     role, wanted_set = batch.role, set(wanted)
     segments = [rows[i].tokens[rows[i].seen[role]:] if i in wanted_set else [] for i in batch.rows]
     if any(segments):
-        batch.state = extend(batch.model, batch.state, segments, batch.pad_id)
+        state = batch.state = extend(batch.model, state, segments, batch.pad_id)
         for i, segment in zip(batch.rows, segments, strict=True):
             rows[i].seen[role] += len(segment)
             rows[i].fpe[role] += len(segment)
     where = {example: b for b, example in enumerate(batch.rows)}
-    return batch.state.last_logits[torch.as_tensor([where[i] for i in wanted], device=batch.state.lengths.device)]
+    return state.last_logits[torch.as_tensor([where[i] for i in wanted], device=state.lengths.device)]
 
 
 def _join(batch: _Batch, rows: list[_Row], joining: list[int]) -> torch.Tensor:
@@ -311,7 +314,7 @@ def _write(row: _Row, token: int, tokenizer: PreTrainedTokenizerBase, config: Sp
 def _compact(batch: _Batch, rows: list[_Row]) -> None:
     """Drop finished rows from the model's batch once a quarter of it is done (each compaction copies the cache)."""
     done = sum(rows[i].done for i in batch.rows)
-    if not should_compact(done, len(batch.rows)):
+    if batch.state is None or not should_compact(done, len(batch.rows)):
         return
     keep = [b for b, i in enumerate(batch.rows) if not rows[i].done]
     batch.state = select(batch.state, keep) if keep else None
@@ -334,7 +337,7 @@ def load_guide(path: str | Path, identity: str, like: PreTrainedModel, tokenizer
                              f"({tokenizer.name_or_path}); the guide must share the model's vocabulary")
         dtype = {v: k for k, v in DTYPES.items()}.get(like.dtype, "float32")
         guide = load_weights(path, ModelConfig(dtype=dtype, trust_remote_code=trust_remote_code))
-        guide.to(like.device).eval()
+        to_device(guide, like.device).eval()
         if hasattr(like, COMPILED_FORWARD):
             use_compiled_decoding(guide)
         _GUIDES[key] = guide
@@ -366,7 +369,7 @@ class SpeculativeDecoder:
         results = speculative_generate(model, guide, tokenizer, attempt_prompts(tokenizer, examples),
                                        example_seeds(self.seed, examples, self.name), stop_ids, self.config,
                                        self.policy.max_new_tokens)
-        return [Decoded(tokenizer.decode(r.token_ids[:-1] if r.finished else r.token_ids, skip_special_tokens=True),
+        return [Decoded(decode_text(tokenizer, r.token_ids[:-1] if r.finished else r.token_ids),
                         r.token_ids, r.usage, r.extra()) for r in results]
 
 

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
+from redumix.data.chat import decode_text
+
 
 def text_ends_with(
     tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], endings: Sequence[str], skip_special_tokens: bool
@@ -22,7 +24,7 @@ def text_ends_with(
     longest = max(len(s) for s in endings)
     n = longest + 2
     while True:
-        text = tokenizer.decode(list(ids[-n:]), skip_special_tokens=skip_special_tokens)
+        text = decode_text(tokenizer, ids[-n:], skip_special_tokens)
         if len(text) >= longest + 2 or n >= len(ids):
             return text.endswith(tuple(endings))
         n *= 2
