@@ -19,17 +19,19 @@ class Stage:
     ranked: bool = False  # `make STAGE NPROC=N` launches it on N ranks through torchrun
 
 
+STUDIES = "redumix.pipeline.studies"
 STAGES: dict[str, Stage] = {
     "embedded": Stage("redumix.pipeline.embedded_stage", "run_embedded", "build the embedded default model"),
     "harvest": Stage("redumix.pipeline.harvest", "run_harvest", "redos under p_mix, into Arrow shards", ranked=True),
     "train": Stage("redumix.pipeline.train", "run_train", "distil the stored p_mix into the model", ranked=True),
     "eval": Stage("redumix.pipeline.eval", "run_eval", "every decoder on the base and tuned checkpoints", ranked=True),
     "export": Stage("redumix.pipeline.export", "run_export", "DPO pairs and an SFT set (JSONL, Parquet, datasets)"),
-    "calibrate": Stage("redumix.pipeline.calibrate", "run_calibrate", "pick the reflective gate and stop rule"),
-    "rounds": Stage("redumix.pipeline.rounds", "run_rounds", "harvest, train, eval, round after round", ranked=True),
-    "ablation": Stage("redumix.pipeline.ablation", "run_ablation", "which ingredient of the round policy gains"),
-    "evidence": Stage("redumix.pipeline.evidence", "run_evidence", "controls and ablations of the distillation claim"),
-    "ladder": Stage("redumix.pipeline.ladder", "run_ladder", "does a redo beat a second sample (train problems)"),
+    # the studies (pipeline/studies/): they measure the product's stages and run them
+    "calibrate": Stage(f"{STUDIES}.calibrate", "run_calibrate", "pick the reflective gate and stop rule"),
+    "rounds": Stage(f"{STUDIES}.rounds", "run_rounds", "harvest, train, eval, round after round", ranked=True),
+    "ablation": Stage(f"{STUDIES}.ablation", "run_ablation", "which ingredient of the round policy gains"),
+    "evidence": Stage(f"{STUDIES}.evidence", "run_evidence", "controls and ablations of the distillation claim"),
+    "ladder": Stage(f"{STUDIES}.ladder", "run_ladder", "does a redo beat a second sample (train problems)"),
 }
 
 

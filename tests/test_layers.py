@@ -6,7 +6,8 @@
   generate/ nothing from train/;
 - embedded/ is a library: it imports nothing from pipeline/;
 - pipeline/ takes from embedded/ only what `redumix.embedded` exports (`__all__`: the build, its settings, measuring
-  and the corpus replay), never one of its modules directly.
+  and the corpus replay), never one of its modules directly;
+- the product's stages (pipeline/, outside pipeline/studies/) never import the studies, which run them.
 
 No exception list: a new import that breaks a rule fails here.
 """
@@ -72,6 +73,10 @@ def layer_violations(root: Path) -> list[str]:
                     continue
                 problems += [f"{where}:{line}: imports {shown} ({folder}/ must not know {above})"
                              for above in FORBIDDEN.get(folder, ()) if _touches(module, name, above)]
+                studies = "redumix.pipeline.studies"
+                if folder == "pipeline" and not _within(inside, studies) and _touches(module, name, studies):
+                    problems.append(f"{where}:{line}: imports {shown} (the product's stages never import the "
+                                    "studies, which run them)")
                 if folder == "pipeline" and _touches(module, name, "redumix.embedded"):
                     if module != "redumix.embedded" or name not in EMBEDDED_API:
                         problems.append(f"{where}:{line}: imports {shown} (pipeline/ takes from embedded/ only "
@@ -95,7 +100,9 @@ def test_the_check_sees_every_kind_of_forbidden_import(tmp_path):
         "embedded/build.py": "def f():\n    from ..pipeline.config import Config\n",
         "pipeline/harvest.py": "from redumix.embedded import build_embedded\n",  # allowed: the package's API
         "pipeline/eval.py": "from ..embedded.measure import measure\n",
-        "pipeline/rounds.py": "from redumix.embedded import corpus_episodes\n",
+        "pipeline/studies/rounds.py": "from redumix.embedded import corpus_episodes\n",
+        "pipeline/studies/evidence.py": "from redumix.pipeline.studies.rft import kept_rows\n",  # allowed
+        "pipeline/train.py": "from redumix.pipeline.studies.rft import kept_rows\n",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -103,6 +110,8 @@ def test_the_check_sees_every_kind_of_forbidden_import(tmp_path):
     found = layer_violations(tmp_path)
     assert [p.split(":")[0] for p in found] == ["common/files.py", "data/chat.py", "data/grading.py", "data/shards.py",
                                                 "generate/loop.py", "generate/plain.py", "train/loss.py",
-                                                "pipeline/eval.py", "pipeline/rounds.py", "embedded/build.py"]
-    assert "imports redumix.embedded.measure.measure" in found[-3]
-    assert "imports redumix.embedded.corpus_episodes" in found[-2]
+                                                "pipeline/eval.py", "pipeline/studies/rounds.py", "pipeline/train.py",
+                                                "embedded/build.py"]
+    assert "imports redumix.embedded.measure.measure" in found[-4]
+    assert "imports redumix.embedded.corpus_episodes" in found[-3]
+    assert "never import the studies" in found[-2]

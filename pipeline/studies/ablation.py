@@ -33,8 +33,8 @@ from redumix.pipeline.harvest_folder import harvest_record, made_with
 from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.report import paired_with_greedy
 from redumix.pipeline.resolve import config_to_yaml
-from redumix.pipeline.rounds import round_config, round_dir, run_rounds
 from redumix.pipeline.run import RunDir, arm_dir, model_path
+from redumix.pipeline.studies.rounds import round_config, round_dir, run_rounds
 
 # The round policy that stalled (docs/rounds.md): each key's value there. The recipe's policy differs from it in its
 # ingredients.

@@ -1,183 +1,25 @@
-"""`redumix evidence`: is the mixture a better target than the alternatives, and where does the gain come from?
-
-Every arm trains the same number of steps, on the same harvested problems, from the same base, then is measured the
-same way. The arms are the table in pipeline/evidence_arms.py: the mixture arm (the stored p_mix at the recipe's λ,
-verifier feedback: the product's own target), p_mix at λ=0, SFT on the redo, on gold and on the model's own attempts
-(controls), p_mix from harvests with other feedback, on-policy training, and TRL's SDFT (the student's samples, a
-teacher shown x2). `evidence.main_arms` train with every seed of `evidence.seeds`, `evidence.other_arms` with the
-first.
-
-Measured per arm: greedy accuracy on `evidence.n` test problems; greedy accuracy on a task variant no arm trains on
-(numbers up to `evidence.variant_number_max`, larger than the recipe's); KL(tuned ‖ base) per token on the tuned
-model's own greedy answers to `evidence.drift_n` test prompts; the held-out KL to the stored p_mix; seconds per step.
-Paired tests compare arms on the same problems: each seed against the same seed of the mixture arm, pooled by a
-paired bootstrap over problems.
-
-RUN_DIR/evidence/ holds one folder per harvest (`harvest-<kind>/`, the recipe's own harvest is RUN_DIR/harvest) and
-one run folder per arm and seed (`<arm>/seed-<s>/` with train/, eval/, variant/, drift.json). Every stage resumes as
-it does alone; `evidence.json`, `evidence.md` and `evidence.png` are written last.
+"""The evidence stage's summary: every arm's accuracy, paired changes and drift, pooled over seeds and paired with
+the mixture arm on the same problems (`evidence.json`), its tables (`evidence.md`) and its plot (`evidence.png`).
+pipeline/studies/evidence.py measures the arms; this file only reads what they wrote.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 from pathlib import Path
 from typing import Any
 
-from redumix.common.files import atomic_write_json, atomic_write_text, read_json
-from redumix.common.ranks import print0
+from redumix.common.files import read_json
 from redumix.pipeline.config import Config
 from redumix.pipeline.decoders import BASELINE
-from redumix.pipeline.drift import drift_measures, greedy_answers, read_general_set
-from redumix.pipeline.embedded_stage import ensure_embedded
-from redumix.pipeline.eval import run_eval
-from redumix.pipeline.evidence_arms import ARMS, HARVESTS
-from redumix.pipeline.harvest import run_harvest
 from redumix.pipeline.records import read_records, records_path
-from redumix.pipeline.resolve import config_to_yaml
-from redumix.pipeline.rft import rft_harvest
-from redumix.pipeline.run import EMBEDDED, RunDir, arm_dir, model_path
+from redumix.pipeline.run import RunDir, arm_dir
 from redumix.pipeline.stats import mcnemar_exact_p, wilson_interval
-from redumix.pipeline.train import run_train
-
-
-def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
-    ensure_embedded(config, run)
-    base = model_path(config.model.path, run).resolve()
-    ev = config.evidence
-    folder = run.evidence
-    plan = [(arm, seed) for arm in ev.main_arms for seed in ev.seeds]
-    plan += [(arm, ev.seeds[0]) for arm in ev.other_arms if arm not in ev.main_arms]
-    eval_greedy(config, RunDir(folder / "base"), base, checkpoint="base")
-    steps = 0  # every arm trains as many steps as the first one did (the mixture arm, seed 0, in the default plan)
-    trained_arms = []
-    for arm, seed in plan:
-        harvest = harvest_for(config, run, ARMS[arm].harvest)
-        here = arm_dir(folder, arm, seed)
-        settings = arm_config(config, base, harvest, arm, seed, steps)
-        print0(f"evidence: arm {arm}, seed {seed} in {here.root}")
-        here.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(here.config, config_to_yaml(settings))
-        trained = run_train(settings, here)
-        steps = steps or trained["steps"]
-        eval_greedy(settings, here, here.train / "merged", checkpoint="tuned")
-        trained_arms.append((settings, here))
-    # Drift is the costliest measure (the tuned and the base model over every drift sequence; its cost is in
-    # docs/real-models.md) and accuracy the first one asked, so every arm's accuracy is measured before any drift.
-    for settings, here in trained_arms:
-        measure_drift(settings, here, here.train / "merged", base)
-    summary = summarize_evidence(config, folder, plan)
-    atomic_write_json(folder / "evidence.json", summary)
-    atomic_write_text(folder / "evidence.md", evidence_markdown(summary))
-    plot_evidence(summary, folder / "evidence.png")
-    print0(evidence_markdown(summary))
-    return summary
-
-
-def harvest_for(config: Config, run: RunDir, kind: str) -> Path:
-    """The harvest an arm learns from: the recipe's own in RUN_DIR/harvest, one with one setting changed, or for
-    `rft` the recipe's own with `evidence.rft_samples` of the model's samples a problem (pipeline/rft.py)."""
-    if kind == "rft":
-        own = harvest_for(config, run, "verifier")
-        if not config.evidence.rft_samples:
-            return own
-        return rft_harvest(config, model_path(config.model.path, run).resolve(), own,
-                           run.evidence / "harvest-rft")
-    if kind == "verifier":
-        run_harvest(config, run)
-        return run.harvest
-    here = RunDir(run.evidence / f"harvest-{kind}")
-    settings = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(run.embedded.resolve()))
-                                   if config.model.path == EMBEDDED else config.model,
-                                   redumix=dataclasses.replace(config.redumix, **HARVESTS[kind]))
-    here.root.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(here.config, config_to_yaml(settings))
-    run_harvest(settings, here)
-    return here.harvest
-
-
-def arm_config(config: Config, base: Path, harvest: Path, arm: str, seed: int, steps: int) -> Config:
-    # The arms compare targets on the harvest's rows alone: the round policy's extra rows (skill rows, replay) are
-    # what `redumix ablation` measures, and they would blur a comparison of targets.
-    train = dataclasses.replace(config.train, harvest_dir=str(harvest), seed=seed, skill_rows=False, replay=0.0,
-                                **ARMS[arm].train)
-    if steps:
-        train = dataclasses.replace(train, max_steps=steps)
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(base)), train=train)
-
-
-# --- measuring one model ----------------------------------------------------------------------------------------
-
-
-def eval_greedy(config: Config, here: RunDir, model: Path, checkpoint: str) -> None:
-    """Greedy on the test split and (on arith) on the held-out variant. For the base, also its greedy answers to the
-    general set's questions, which every arm's off-task KL reads."""
-    ev = config.evidence
-    greedy_only = dataclasses.replace(config.eval, decoders=[BASELINE], tuned_decoders=[], n=ev.n, n_other=ev.n,
-                                      checkpoints=[checkpoint])
-    run_eval(dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(model)),
-                                 eval=greedy_only), here)
-    if config.task.name == "arith":
-        # The variant runs the model as its "base" checkpoint: model.path is the model measured.
-        arith = dataclasses.replace(config.task.arith, start_max=ev.variant_number_max,
-                                    operand_max=ev.variant_number_max)
-        variant = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(model)),
-                                      task=dataclasses.replace(config.task, arith=arith),
-                                      eval=dataclasses.replace(greedy_only, checkpoints=["base"]))
-        run_eval(variant, RunDir(here.root / "variant"))
-    if checkpoint == "base" and ev.general_path:
-        general = read_general_set(Path(ev.general_path), ev.drift_n)
-        if saved_answers(here, general.questions) is None:
-            answers = greedy_answers(config, model, general.questions)
-            atomic_write_json(here.root / "general_answers.json", {"questions": general.questions,
-                                                                    "answer_ids": answers})
-
-
-def measure_drift(config: Config, here: RunDir, model: Path, base: Path) -> None:
-    """A tuned model's drift from the base (pipeline/drift.py), once: drift.json is read back on a resumed run."""
-    ev = config.evidence
-    general = read_general_set(Path(ev.general_path), ev.drift_n) if ev.general_path else None
-    drift = read_json(here.root / "drift.json") if (here.root / "drift.json").is_file() else {}
-    if "kl_tuned_base" in drift and (general is None or "kl_offtask" in drift):
-        return
-    records = greedy_records(here, "tuned")[: ev.drift_n]
-    base_folder = here.root.parents[1] / "base"
-    answers = None if general is None else saved_answers(RunDir(base_folder), general.questions)
-    base_nll = None if general is None else saved_text_nll(base_folder, general.texts)
-    drift = drift_measures(config, model, base, records, general, answers, base_nll)
-    atomic_write_json(here.root / "drift.json", drift)
-    if general is not None and base_nll is None:
-        atomic_write_json(base_folder / "text_nll.json", {"texts": general.texts,
-                                                           "text_nll": drift["text_nll_base"]})
-
-
-def saved_answers(here: RunDir, questions: list[str]) -> list[list[int]] | None:
-    """The base's saved greedy answers to `questions`, or None when they were saved for other questions (a longer
-    list serves a shorter one: each answer depends on its own question only)."""
-    path = here.root / "general_answers.json"
-    if not path.is_file():
-        return None
-    saved = read_json(path)
-    if saved["questions"][: len(questions)] != questions:
-        return None
-    return saved["answer_ids"][: len(questions)]
-
-
-def saved_text_nll(base_folder: Path, texts: list[str]) -> float | None:
-    """The base's loss on exactly these general texts, where an earlier arm measured it."""
-    path = base_folder / "text_nll.json"
-    if not path.is_file() or (saved := read_json(path))["texts"] != texts:
-        return None
-    return float(saved["text_nll"])
 
 
 def greedy_records(here: RunDir, checkpoint: str) -> list[dict]:
     return read_records(records_path(here.eval / "generations", checkpoint, BASELINE))
-
-
-# --- the summary ------------------------------------------------------------------------------------------------
 
 
 def _correct(records: list[dict]) -> dict[str, bool]:

@@ -3,9 +3,9 @@
 RFT (rejection-sampling fine-tuning, arXiv:2308.01825) is SFT on a model's own samples that a verifier passes: the
 baseline a user tries first. With `evidence.rft_samples` k > 0, the starting model draws k independent samples per
 harvested problem from x alone at `evidence.rft_temperature`. They are drawn with the ladder's seeds, so at the
-redo's temperature (the default) they are the ladder's resamples, the same texts (pipeline/ladder.py). The verifier
-keeps the right ones, and the harvest's attempt where it is right. Each distinct kept text is one row: the harvest
-row with `original` set to it, so the arm trains as every hard-label arm does (`train.target=original`,
+redo's temperature (the default) they are the ladder's resamples, the same texts (pipeline/studies/ladder.py). The
+verifier keeps the right ones, and the harvest's attempt where it is right. Each distinct kept text is one row: the
+harvest row with `original` set to it, so the arm trains as every hard-label arm does (`train.target=original`,
 `train.rows=original_correct`), and a problem's rows share its id and so its side of the held-out split. With
 k = 0 the arm learns the right attempts alone, from the harvest itself.
 
@@ -33,7 +33,7 @@ from redumix.generate.redumix import redo_policy
 from redumix.pipeline.config import Config
 from redumix.pipeline.engines import open_engine
 from redumix.pipeline.harvest_folder import claim_settings
-from redumix.pipeline.ladder import graded, reply_texts, resample_names, resample_seeds
+from redumix.pipeline.studies.ladder import graded, reply_texts, resample_names, resample_seeds
 from redumix.pipeline.lineage import harvest_id
 
 

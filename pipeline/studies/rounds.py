@@ -24,7 +24,6 @@ from redumix.common.files import atomic_write_json, atomic_write_text, read_json
 from redumix.common.ranks import print0, rank
 from redumix.pipeline.config import Config
 from redumix.pipeline.decoders import BASELINE, DECODERS, check_decoder_names, family
-from redumix.pipeline.drift import drift_kl
 from redumix.pipeline.embedded_stage import ensure_embedded
 from redumix.pipeline.eval import run_eval
 from redumix.pipeline.harvest import run_harvest
@@ -32,6 +31,7 @@ from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.report import paired_with_greedy, summarize
 from redumix.pipeline.resolve import config_to_yaml
 from redumix.pipeline.run import RunDir, model_path
+from redumix.pipeline.studies.drift import drift_kl
 from redumix.pipeline.train import run_train
 
 
