@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Literal
 
-from redumix.data.chat import template_pieces
+from redumix.data.chat import decode_text, template_pieces
 from redumix.data.grading import verdict_feedback
 from redumix.data.prompts import (
     REDO_INSTRUCTIONS,
@@ -163,7 +164,7 @@ def redo_contexts(
     either engine (an engine that re-sends prefixes finds them in its prefix cache)."""
     tokenizer, stop_ids = engine.tokenizer, engine.stop_ids
     seeds = {stage: stage_seeds(seed, example_ids, stage) for stage in ("attempt", "critique", "reflect")}
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    decode = partial(decode_text, tokenizer)
     usage = [Usage() for _ in prompts]
 
     # --- stage 1: y1 = generate(x), keeping the context; x's own context is kept aside as the redo's first ---
@@ -287,7 +288,7 @@ def redo_result(
         feedback=stages.r_text[i],
         reflection=stages.c_text[i],
         reflection_ids=stages.c[i],
-        redo=engine.tokenizer.decode(gen.content_ids(engine.stop_ids), skip_special_tokens=True),
+        redo=decode_text(engine.tokenizer, gen.content_ids(engine.stop_ids)),
         redo_token_ids=gen.token_ids,
         topk_ids=topk_ids,
         topk_logprobs=topk_lp,

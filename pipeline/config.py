@@ -136,7 +136,8 @@ class RoundsConfig:
 
 @dataclass
 class LadderConfig:
-    """`redumix ladder` (pipeline/ladder.py): does a redo after feedback beat a second sample, on train problems."""
+    """`redumix ladder` (pipeline/studies/ladder.py): does a redo after feedback beat a second sample, on train
+    problems."""
 
     n: int = field(default=200, metadata={"help": "Train problems measured (a larger n later adds to the records)."})
     skip: int = field(default=0, metadata={"help": "Measure the train split's problems [skip, skip + n)."})
@@ -191,7 +192,7 @@ class EvidenceConfig:
         default=0,
         metadata={"help": "The `rft` arm's samples per problem: the starting model's k independent samples from x "
                   "alone at rft_temperature, of which it learns the right ones with the right attempt "
-                  "(pipeline/rft.py). 0: the right attempts alone."},
+                  "(pipeline/studies/rft.py). 0: the right attempts alone."},
     )
     rft_temperature: float | None = field(
         default=None,

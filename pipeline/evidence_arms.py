@@ -1,7 +1,7 @@
 """The arms of `redumix evidence` by name: which harvest each learns from and how it trains, with one line of help.
 
 A module of its own, with no torch in it, so that the config checks `evidence.main_arms` and `evidence.other_arms`
-and writes their help from this table without importing the stage (pipeline/evidence.py runs the arms).
+and writes their help from this table without importing the stage (pipeline/studies/evidence.py runs the arms).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ HARVESTS: dict[str, dict[str, Any]] = {
     "self": {"feedback": "self"},
     "none": {"feedback": "none"},
     "random": {"feedback": "random"},
-    "rft": {},  # the recipe's own, with the model's right samples added (pipeline/rft.py)
+    "rft": {},  # the recipe's own, with the model's right samples added (pipeline/studies/rft.py)
 }
 
 

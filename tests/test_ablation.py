@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from redumix.pipeline.ablation import OLD_POLICY, ablation_arms, ablation_markdown, run_ablation
 from redumix.pipeline.config import load_config
-from redumix.pipeline.rounds import round_dir
 from redumix.pipeline.run import RunDir, arm_dir
+from redumix.pipeline.studies.ablation import OLD_POLICY, ablation_arms, ablation_markdown, run_ablation
+from redumix.pipeline.studies.rounds import round_dir
 from tests.test_rounds import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]

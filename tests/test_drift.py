@@ -1,4 +1,4 @@
-"""pipeline/drift.py: the loss of general text against transformers' own, KL(tuned ‖ base) at zero for a model
+"""pipeline/studies/drift.py: the loss of general text against transformers' own, KL(tuned ‖ base) at zero for a model
 against itself, and the general set read with errors that name the file and line."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from redumix.pipeline.drift import kl_per_token, read_general_set, text_nll
+from redumix.pipeline.studies.drift import kl_per_token, read_general_set, text_nll
 
 TEXTS = ["Natalia sold 48 clips in April.", "She sold half as many in May: 48/2 = 24.", "#### 72"]
 

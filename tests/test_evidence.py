@@ -12,10 +12,11 @@ import yaml
 
 from redumix.common.files import atomic_write_json
 from redumix.pipeline.config import load_config
-from redumix.pipeline.evidence import evidence_markdown, paired_arms, run_evidence, saved_answers
 from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.resolve import ConfigError
 from redumix.pipeline.run import RunDir, arm_dir
+from redumix.pipeline.studies.evidence import run_evidence, saved_answers
+from redumix.pipeline.studies.evidence_report import evidence_markdown, paired_arms
 from tests.test_rounds import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]

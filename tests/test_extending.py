@@ -68,11 +68,13 @@ class NthNumber:
     name: str
     settings: NthNumberConfig
 
-    def __call__(self, model, tokenizer, examples, task):
+    needs_hf_engine = False
+
+    def __call__(self, engine, examples, task):
         out = []
         for example in examples:
             text = f"The answer is {re.findall(r'[0-9]+', example.prompt)[self.settings.index]}."
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
             out.append(Decoded(text, ids, Usage(visible_tokens=len(ids))))
         return out
 

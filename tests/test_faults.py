@@ -151,7 +151,7 @@ def test_killed_rounds_resume_to_the_same_rounds(tmp_path, tiny_model_dir):
     and summary of an unbroken run."""
     from safetensors.torch import load_file
 
-    from redumix.pipeline.rounds import run_rounds
+    from redumix.pipeline.studies.rounds import run_rounds
 
     settings = [f"model.path={tiny_model_dir}", *SMALL, "harvest.n=6", "sampling.temperature=1.0",
                 "train.adapter=full", "train.max_steps=3", "train.batch_size=2", "train.save_steps=1",

@@ -19,8 +19,8 @@ from redumix.common.files import (
     read_text,
 )
 from redumix.data.jsonl import read_jsonl_by_id
-from redumix.pipeline.drift import read_general_set
 from redumix.pipeline.records import read_records
+from redumix.pipeline.studies.drift import read_general_set
 
 
 def strict_loads(text: str) -> object:
