@@ -12,8 +12,8 @@ import yaml
 from redumix.data.shards import iter_rows, shard_paths
 from redumix.pipeline.config import load_config
 from redumix.pipeline.resolve import ConfigError
-from redumix.pipeline.rounds import round_dir, rounds_markdown, run_rounds
 from redumix.pipeline.run import RunDir
+from redumix.pipeline.studies.rounds import round_dir, rounds_markdown, run_rounds
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
