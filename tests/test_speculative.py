@@ -17,6 +17,7 @@ from redumix.data.chat import prompt_ids
 from redumix.data.prompts import attempt_messages
 from redumix.data.tasks import make_task
 from redumix.generate.accounting import ForwardCounter
+from redumix.generate.hf_engine import HfEngine
 from redumix.generate.model_io import load_model, load_tokenizer
 from redumix.generate.plain import generate_batch
 from redumix.generate.policy import SamplingPolicy, uniform_noise
@@ -364,7 +365,7 @@ def test_guide_path_errors_name_the_key(tmp_path, tiny_model_dir, monkeypatch):
     # ... and a guide must share the model's tokenizer.
     small, tokenizer = load_model(tiny_model_dir)
     with pytest.raises(ValueError, match="the guide's tokenizer is not the model's"):
-        decoder(small, tokenizer, [], make_task(unset.task, 0))
+        decoder(HfEngine(small, tokenizer), [], make_task(unset.task, 0))
 
 
 def test_the_guide_is_loaded_once_on_the_models_device_and_dtype(tiny_model_dir, guide_dir):
