@@ -14,6 +14,8 @@ or says why the host has none; none of them can be undone by the process that ap
 - `no_new_processes`: a seccomp filter that refuses fork, vfork, clone without CLONE_THREAD and clone3 (threads still
   start, through clone). RLIMIT_NPROC cannot bound a fork bomb of uid 0, which is what a root host runs as when the
   interpreter is not readable by another uid; this can.
+- `die_with_parent`: the process is killed when its parent ends, so a grader that dies leaves no judge behind, and
+  a judge that dies no runner.
 - `set_limits`: rlimits (CPU seconds, address space, file size, open files, processes, no core files).
 """
 
@@ -40,6 +42,12 @@ def unshare_namespaces():
         with open(f"/proc/self/{name}", "w") as f:
             f.write(text)
     return "user+net+pid"
+
+
+def die_with_parent():
+    """SIGKILL when the parent ends (PR_SET_PDEATHSIG): a judge whose grader died, a runner whose judge died."""
+    if LIBC.prctl(1, 9, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
 
 
 def drop_privileges():

@@ -39,6 +39,7 @@ import sys
 import time
 
 from sandbox_isolation import (
+    die_with_parent,
     drop_privileges,
     landlock,
     no_new_processes,
@@ -116,6 +117,7 @@ def describe(exc, source):
 
 def runner(read_fd, write_fd, code, work, limits):
     """Runs the model's code, then answers calls until the judge hangs up. Every line before `exec` is ours."""
+    die_with_parent()
     low, high = sorted((read_fd, write_fd))
     for first, last in ((3, low), (low + 1, high), (high + 1, 1 << 16)):
         os.closerange(first, last)
@@ -264,6 +266,7 @@ def run_tests(judge, names, tests, emit):
 
 def main():
     began = time.monotonic()
+    die_with_parent()
     config = loads(sys.argv[1])
     program = loads(sys.stdin.read())
     null = os.open("/dev/null", os.O_RDONLY)  # stdin stays open, so no pipe below takes descriptor 0

@@ -4,7 +4,9 @@ parent, and leave no process and no file behind. A program that does its job mus
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -142,6 +144,26 @@ def test_killing_the_parent_or_a_neighbour_fails(clean):
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_a_grader_that_dies_leaves_no_judge_and_no_runner(clean):
+    """SIGKILL the grading process while its program sleeps: the judge and the runner die with it (the temporary
+    folder, which the grader removes in a `finally` that SIGKILL skips, is left, and removed here)."""
+    before = _sandbox_folders()
+    grader = subprocess.Popen([sys.executable, "-c", "from redumix.data.sandbox import Limits, Program, run_one\n"
+                               "run_one(Program('import time\\ntime.sleep(600)\\n', ('assert 1',)), Limits(600))"])
+    deadline = time.monotonic() + 60
+    while len(_leftover_processes()) < 2 and time.monotonic() < deadline:  # the judge, then its runner
+        time.sleep(0.05)
+    assert len(_leftover_processes()) == 2, _leftover_processes()
+    grader.kill()
+    grader.wait()
+    deadline = time.monotonic() + 5
+    while _leftover_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _leftover_processes() == []
+    for name in _sandbox_folders() - before:
+        shutil.rmtree(Path(tempfile.gettempdir()) / name)
 
 
 @pytest.mark.parametrize("code", [
