@@ -1,13 +1,14 @@
 """Run a program the model wrote, with its tests, where it can neither escape nor fool the grade.
 
-The parent (this module) never imports, compiles or executes model code. For each program it makes a temporary
-folder (the program's cwd, HOME and TMPDIR; removed afterwards), a random nonce and two pipes, and starts
-`python -I data/sandbox_judge.py` in a new session, with a scrubbed environment, as uid 65534 when it is root. The
-judge isolates itself (namespaces, Landlock, no capabilities, rlimits), forks the runner that executes the model's
-code, and runs the tests against it: the design, and why the runner cannot forge a pass, are in sandbox_judge.py's
-docstring. A program passes when the judge's last line on the result pipe is the pass event carrying this run's
-nonce; an exit status never counts. At its deadline (the timeout plus a grace for start-up) the parent kills the
-whole process group; the pid namespace takes every process the program started with it.
+The parent (this module) never imports, compiles or executes model code. For each program it makes a temporary folder
+(the program's cwd, HOME and TMPDIR; removed afterwards), a random nonce and two pipes, and starts a fresh
+`python -I -S` running data/sandbox_judge.py (`BOOT`) in a new session, with a scrubbed environment, as uid 65534 when
+it is root and that uid can run the interpreter. The judge isolates itself (namespaces, Landlock, seccomp, no
+capabilities, rlimits), forks the runner that executes the model's code, and runs the tests against it: the design, and
+why the runner cannot forge a pass, are in sandbox_judge.py's docstring. A program passes when the judge's last line on
+the result pipe is the pass event carrying this run's nonce; an exit status never counts. At its deadline (the timeout
+plus a grace for start-up) the parent kills the whole process group; the pid namespace takes every process the program
+started with it.
 
 `run_batch` grades many programs on parallel workers (threads that each wait on one subprocess), as many as the
 cores; each program has its own deadline, so one slow program holds only its own worker. `isolation()` reports what

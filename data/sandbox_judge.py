@@ -17,6 +17,8 @@ True, a patched builtin or an early `sys.exit(0)` in the runner cannot make an a
 cannot write it: it holds no copy of the pipe, and it cannot reach the judge's (no /proc in its Landlock domain, no
 ptrace of a process outside its domain, the judge is not dumpable, and it lives outside the runner's pid namespace).
 Nor can it know the nonce. Exiting early, with any status, only ends the runner: the judge reports it as a failure.
+What the runner can still do is what any program does: answer each call with a value of its choosing. It sees each
+call's arguments, never the values the test expects, which stay in the judge.
 
 **Isolation**, each layer reported in the first event (`isolation`), so a host that lacks one says so:
 - user, network and pid namespaces (`unshare`): no network but loopback; the runner is pid 1 of its own namespace,
