@@ -13,8 +13,10 @@ more step in this module that gives the new key the value that reproduces the ol
 
 Version 0 is what markers held before: a hash of the config's layout (`harvest/fingerprint.json`: the settings in
 the layout of 2026-11, with the embedded section flat under `base`; `embedded/build_config.yaml`: the same
-flat `base` and every task's settings in one flat `task`). `harvest_record_v0` and `build_record_v0` read them into
-version 1; the stages call them when they meet an old marker and then rewrite it.
+flat `base` and every task's settings in one flat `task`), or the layout itself (the ladder's and the rft samples'
+`settings.json`: `asdict` of the config's sections, every task's section under `task`). `harvest_record_v0`,
+`build_record_v0`, `ladder_record_v0` and `rft_record_v0` read them into version 1; the stages call them when they
+meet an old marker and then rewrite it.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ _MODEL_V0 = ("steps", "batch_rows", "seq_len", "vocab_size", "hidden_size", "lay
 _CORPUS_V0 = ("mix_solution", "mix_reflection", "mix_critique", "mix_refine", "mix_longhand", "slip_rate",
               "wrong_attempt_rate", "noisy_feedback_rate", "check_span_rate")
 _MEASURE_V0 = ("eval_n", "eval_reflection")
+_SAMPLING_V0 = ("temperature", "top_p", "top_k", "max_new_tokens")
 
 
 def v0_hash(settings: dict[str, Any]) -> str:
@@ -85,7 +88,7 @@ def harvest_record_v0(settings: dict[str, Any]) -> dict[str, Any]:
         "model": {"path": "embedded" if embedded else model["path"], "dtype": model["dtype"]},
         "embedded": build_record_v0({"seed": settings["seed"], "base": settings["base"], "task": settings["task"]})
         if embedded else None,
-        "sampling": {key: settings["sampling"][key] for key in ("temperature", "top_p", "top_k", "max_new_tokens")},
+        "sampling": {key: settings["sampling"][key] for key in _SAMPLING_V0},
         "redumix": {
             **{key: redumix[key] for key in ("lam", "topk", "feedback", "reflection_max_tokens",
                                              "critique_max_tokens")},
@@ -96,3 +99,38 @@ def harvest_record_v0(settings: dict[str, Any]) -> dict[str, Any]:
         "harvest": {"n": harvest["n"], "split": harvest["split"], "skip": harvest.get("skip", 0),
                     "shard_rows": harvest["shard_rows"]},
     }
+
+
+def _task_record_asdict_v0(task: dict[str, Any]) -> dict[str, Any]:
+    """The task record of version 0's `asdict(config.task)`: name, prompt_suffix and a section per task (as many as
+    there were tasks then), of which the named task's is its settings."""
+    return {"name": task["name"], "prompt_suffix": task["prompt_suffix"], "settings": task.get(task["name"])}
+
+
+def ladder_record_v0(settings: dict[str, Any]) -> dict[str, Any]:
+    """The ladder record (pipeline/studies/ladder.py `ladder_record`) of a version 0 `ladder/settings.json`:
+    `asdict` of model, task, sampling and redumix (less the redo's keys), and the ladder's levers, which held the
+    redo's effective temperature and instruction. The engine was `ladder.engine` before it was the top-level
+    `engine`, and before either the ladder ran on redumix's own loop alone."""
+    ladder, redumix = settings["ladder"], settings["redumix"]
+    self_critique = ladder["self_critique"]
+    return {
+        "seed": settings["seed"],
+        "task": _task_record_asdict_v0(settings["task"]),
+        "model": {"path": settings["model"]["path"], "dtype": settings["model"]["dtype"]},
+        "sampling": {key: settings["sampling"][key] for key in _SAMPLING_V0},
+        "redumix": {"reflection_max_tokens": redumix["reflection_max_tokens"], "instruction": ladder["instruction"],
+                    "redo_temperature": ladder["redo_temperature"],
+                    "lam": redumix["lam"] if self_critique else None,
+                    "critique_max_tokens": redumix["critique_max_tokens"] if self_critique else None},
+        "ladder": {"lams": ladder["lams"], "self_critique": self_critique},
+        "engine": settings.get("engine", ladder.get("engine", "hf")),
+    }
+
+
+def rft_record_v0(settings: dict[str, Any]) -> dict[str, Any]:
+    """The rft samples' record (pipeline/studies/rft.py `rft_record`) of a version 0 `settings.json`: the seed,
+    `asdict` of model and task, and the samples' policy."""
+    return {"seed": settings["seed"], "task": _task_record_asdict_v0(settings["task"]),
+            "model": {"path": settings["model"]["path"], "dtype": settings["model"]["dtype"]},
+            "policy": {key: settings["policy"][key] for key in _SAMPLING_V0}}

@@ -12,6 +12,7 @@ line.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,16 +135,32 @@ def settings_differences(theirs: dict, settings: dict) -> list[str]:
             for key in sorted(ours.keys() | theirs.keys()) if theirs.get(key, missing) != ours.get(key, missing)]
 
 
-def claim_settings(path: Path, settings: dict, records: str, remedy: str) -> None:
-    """Records are resumed only under the settings that made them: store the settings at `path` the first time, and
-    refuse, naming each key that differs, when they change (`records` says what lies there, `remedy` what to do)."""
-    if path.exists():
-        changed = settings_differences(read_json(path), settings)
-        if changed:
-            raise ValueError(f"{path}: the {records} here were made with other settings ({', '.join(changed)}); "
-                             f"{remedy}")
+def claim_settings(path: Path, record: dict[str, Any], records: str, remedy: str,
+                   old: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
+    """Records are resumed only under the record that made them (common/fingerprints.py): store it at `path` the
+    first time (`version`, `fingerprint`, `record`, as a harvest's marker), and refuse, naming each key that differs,
+    when it changes, writing nothing (`records` says what lies there, `remedy` what to do). A file of version 0, the
+    config's layout, is read into the record by `old` and, when it matches, rewritten in the current version."""
+    versioned = {"version": RECORD_VERSION, "fingerprint": fingerprint(record), "record": record}
+    if not path.exists():
+        atomic_write_json(path, versioned)
         return
-    atomic_write_json(path, settings)
+    stored = read_json(path)
+    version = stored.get("version", 0)
+    try:
+        theirs = stored["record"] if version == RECORD_VERSION else old(stored) if version == 0 and old else None
+    except (KeyError, TypeError):  # a version 0 file in no layout that `old` knows
+        theirs = None
+    if theirs is None:
+        raise ValueError(f"{path}: the {records} here were made by a redumix whose settings file (version "
+                         f"{version}) this one cannot read; {remedy}")
+    changed = settings_differences(theirs, record)
+    if changed:
+        raise ValueError(f"{path}: the {records} here were made with other settings ({', '.join(changed)}); {remedy}")
+    if version != RECORD_VERSION:
+        atomic_write_json(path, versioned)
+        print0(f"{path} rewritten in record version {RECORD_VERSION} (the {records} were made by an older redumix, "
+               "with these settings)")
 
 
 def _dotted(settings: dict, prefix: str = "") -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -297,3 +298,209 @@ def test_records_for_reads_both_forms_of_an_identity(tmp_path):
     assert records_for(path, "w:d", [example]) == {}  # the other engine's
     path.write_text(json.dumps({**lines[0], "model": "w:d:vllm", "reference": "2"}) + "\n")
     assert records_for(path, "w:d:vllm", [example]) == {}  # another problem's answer
+
+
+# --- old ladder and rft folders -------------------------------------------------------------------------------------
+
+LADDER_FORMS = ("2026-11-26", "39ac477", "f6d9632")  # before the ladder had an engine; ladder.engine; `engine`
+
+
+def v0_task_asdict(config, with_code: bool) -> dict:
+    """`asdict(config.task)` as it was: name, prompt_suffix and every task's section of the time (code's from
+    f6d9632 on)."""
+    task = {"name": config.task.name, "prompt_suffix": config.task.prompt_suffix,
+            **{name: dataclasses.asdict(getattr(config.task, name)) for name in ("arith", "gsm8k", "constraints")}}
+    return task | ({"code": dataclasses.asdict(config.task.code)} if with_code else {})
+
+
+def v0_model_asdict(config) -> dict:
+    return _pick(config.model, ("path", "trust_remote_code", "dtype", "device", "compile_decoding"))
+
+
+def v0_ladder_settings(config, form: str = "39ac477") -> dict:
+    """pipeline/ladder.py's `_settings` as it was until record version 1: `asdict` of the sections, the redumix
+    section less the redo's keys, and the ladder's levers with the redo's effective temperature and instruction;
+    `ladder.engine` among the levers at 39ac477, the top-level `engine` from f6d9632, neither before."""
+    from redumix.generate.redumix import redo_policy
+
+    levers = {"lams": list(config.ladder.lams), "self_critique": config.ladder.self_critique,
+              **({"engine": config.engine} if form == "39ac477" else {}),
+              "redo_temperature": redo_policy(config.redumix, config.sampling).temperature,
+              "instruction": config.redumix.instruction}
+    redumix = _pick(config.redumix, ("lam", "topk", "feedback", "feedback_file", "reflection_max_tokens",
+                                     "critique_max_tokens"))
+    settings = {"seed": config.seed, "model": v0_model_asdict(config),
+                "task": v0_task_asdict(config, with_code=form == "f6d9632"),
+                "sampling": dataclasses.asdict(config.sampling), "redumix": redumix, "ladder": levers}
+    return settings | ({"engine": config.engine} if form == "f6d9632" else {})
+
+
+def v0_rft_settings(config) -> dict:
+    """pipeline/rft.py's `_settings` as it was until record version 1 (at 39ac477)."""
+    from redumix.pipeline.studies.rft import rft_policy
+
+    return {"seed": config.seed, "model": v0_model_asdict(config), "task": v0_task_asdict(config, with_code=False),
+            "policy": dataclasses.asdict(rft_policy(config))}
+
+
+def _changed(value):
+    """Another value of the same type, one the config's checks would accept."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return (value + 0.3) / 2
+    if isinstance(value, list):
+        return [*value, 0.25]
+    return 0.35 if value is None else f"{value}-changed"
+
+
+def _deciding(record_of, config, holders) -> dict[str, bool]:
+    """Per `label.field` of the holders: whether changing it alone changes the record."""
+    record, found = record_of(config), {}
+    for label, holder in holders:
+        for field in dataclasses.fields(holder):
+            original = getattr(holder, field.name)
+            setattr(holder, field.name, _changed(original))
+            found[f"{label}.{field.name}"] = record_of(config) != record
+            setattr(holder, field.name, original)
+    return found
+
+
+def test_the_bundled_recipes_ladder_and_rft_settings_translate_from_version_0():
+    from redumix.common.fingerprints import ladder_record_v0, rft_record_v0
+    from redumix.pipeline.studies.ladder import ladder_record
+    from redumix.pipeline.studies.rft import rft_record
+
+    for path in sorted((ROOT / "recipes").glob("*.yaml")):
+        config = load_config(path)
+        with_code = config.task.name == "code"  # a code ladder was written with the code section alone
+        for form in LADDER_FORMS[2:] if with_code else LADDER_FORMS:
+            assert ladder_record_v0(v0_ladder_settings(config, form)) == ladder_record(config), (path.stem, form)
+        if not with_code:
+            assert rft_record_v0(v0_rft_settings(config)) == rft_record(config), path.stem
+
+
+def test_every_setting_the_ladder_and_rft_read_is_in_their_record_or_named_as_not_deciding_them():
+    from redumix.pipeline.studies.ladder import ladder_record
+    from redumix.pipeline.studies.rft import rft_record
+
+    config = load_config("tiny", ["ladder.self_critique=true"])
+    holders = [(name, getattr(config, name)) for name in ("model", "sampling", "redumix", "ladder")]
+    speed = {"model.trust_remote_code", "model.device", "model.compile_decoding"}
+    ladder = _deciding(ladder_record, config, holders)
+    assert {key for key, moves in ladder.items() if not moves} == speed | {
+        "redumix.topk", "redumix.feedback", "redumix.feedback_file", "ladder.n", "ladder.skip", "ladder.batch_size",
+        "ladder.resamples"}
+    config.ladder.self_critique = False  # then λ and the critique's length decide no record
+    assert not any(_deciding(ladder_record, config, holders)[key] for key in ("redumix.lam",
+                                                                              "redumix.critique_max_tokens"))
+    for key, value in (("engine", "vllm"), ("seed", 7)):
+        assert ladder_record(dataclasses.replace(config, **{key: value})) != ladder_record(config), key
+    assert ladder_record(load_config("tiny", ["task.gsm8k.path=/x"])) == ladder_record(load_config("tiny"))
+
+    rft = _deciding(rft_record, config, [*holders[:3], ("evidence", config.evidence)])
+    assert {key for key, moves in rft.items() if moves} == {
+        "model.path", "model.dtype", "sampling.temperature", "sampling.top_p", "sampling.top_k",
+        "sampling.max_new_tokens", "redumix.redo_temperature", "evidence.rft_temperature"}
+    config.evidence.rft_temperature = 1.0  # then the samples' temperature is its
+    assert not _deciding(rft_record, config, holders[1:3])["redumix.redo_temperature"]
+
+
+def _graded(text: str, correct: bool) -> dict:
+    return {"text": text, "answer": text, "correct": correct, "tokens": 3}
+
+
+@pytest.mark.parametrize("form", LADDER_FORMS)
+def test_an_old_ladder_folder_resumes_without_decoding_and_its_settings_are_rewritten(tmp_path, monkeypatch, capsys,
+                                                                                     form):
+    import redumix.pipeline.studies.ladder as ladder
+    from redumix.common.fingerprints import fingerprint
+    from redumix.pipeline.studies.ladder import arm_names, ladder_record, run_ladder
+
+    small = ["ladder.n=4", "ladder.batch_size=2"]
+    config = load_config("tiny", small)
+    examples = make_task(config.task, config.seed).examples("train", 4)
+    out = tmp_path / "ladder"
+    out.mkdir()
+    records = [{"id": e.id, "attempt": _graded("1", k % 2 == 0), "feedback": "f", "reflection": "c",
+                "critique": "r", "self_reflection": "c",
+                "arms": {name: _graded(str(k), k > 1) for name in arm_names(config)}}
+               for k, e in enumerate(examples)]
+    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    old = json.dumps(v0_ladder_settings(config, form), indent=2)
+    (out / "settings.json").write_text(old)
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the old ladder folder was decoded again")
+
+    monkeypatch.setattr(ladder, "check_engine", no_engine)
+    monkeypatch.setattr(ladder, "open_engine", no_engine)
+    for changed, said in ((["ladder.lams=[0.0]"], "ladder.lams: [0.5, 0.0] -> [0.0]"),
+                          (["redumix.redo_temperature=0.7"], "redumix.redo_temperature: 0.0 -> 0.7"),
+                          (["engine=vllm"], 'engine: "hf" -> "vllm"')):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            run_ladder(load_config("tiny", [*small, *changed]), RunDir(tmp_path))
+        assert (out / "settings.json").read_text() == old  # a refusal writes nothing
+    assert not (out / "summary.json").exists()
+
+    capsys.readouterr()
+    run_ladder(config, RunDir(tmp_path))
+    said = capsys.readouterr().out
+    assert "rewritten in record version 1" in said and "resuming, 4 of 4 problems" in said
+    record = ladder_record(config)
+    assert json.loads((out / "settings.json").read_text()) == {"version": RECORD_VERSION,
+                                                                "fingerprint": fingerprint(record), "record": record}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["n"] == 4 and summary["attempt_correct"] == 2 and summary["settings"] == record
+    migrated = (out / "settings.json").read_bytes()
+    run_ladder(config, RunDir(tmp_path))
+    assert (out / "settings.json").read_bytes() == migrated
+    with pytest.raises(ValueError, match=re.escape("ladder.self_critique: true -> false")):
+        run_ladder(load_config("tiny", [*small, "ladder.self_critique=false"]), RunDir(tmp_path))
+
+
+def test_old_rft_samples_are_taken_in_without_decoding_and_their_settings_rewritten(tmp_path, monkeypatch, capsys):
+    import redumix.pipeline.studies.rft as rft
+    from redumix.common.fingerprints import fingerprint
+    from redumix.pipeline.studies.rft import draw_samples, rft_record
+
+    overrides = ["harvest.n=3", "evidence.rft_samples=2", "redumix.redo_temperature=1.0"]
+    config = load_config("tiny", overrides)
+    examples = make_task(config.task, config.seed).examples("train", 3)
+    rows = [{"id": e.id, "prompt": e.prompt} for e in examples]
+    samples = {e.id: {"resample": _graded("1", True), "resample2": _graded("2", False)} for e in examples}
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps({"id": i, "samples": s}) + "\n"
+                                                    for i, s in samples.items()))
+    old = json.dumps(v0_rft_settings(config))
+    (tmp_path / "settings.json").write_text(old)
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the old samples were drawn again")
+
+    monkeypatch.setattr(rft, "open_engine", no_engine)
+    with pytest.raises(ValueError, match=re.escape("policy.temperature: 1.0 -> 0.7")):
+        draw_samples(load_config("tiny", [*overrides, "evidence.rft_temperature=0.7"]), tmp_path, rows, tmp_path)
+    assert (tmp_path / "settings.json").read_text() == old
+    capsys.readouterr()
+    assert draw_samples(config, tmp_path, rows, tmp_path) == samples
+    assert "rewritten in record version 1" in capsys.readouterr().out
+    record = rft_record(config)
+    assert json.loads((tmp_path / "settings.json").read_text()) == {
+        "version": RECORD_VERSION, "fingerprint": fingerprint(record), "record": record}
+    with pytest.raises(ValueError, match=re.escape('model.dtype: "float32" -> "bfloat16"')):
+        draw_samples(load_config("tiny", [*overrides, "model.dtype=bfloat16"]), tmp_path, rows, tmp_path)
+
+
+def test_a_settings_file_in_no_known_form_is_refused(tmp_path):
+    from redumix.common.fingerprints import ladder_record_v0
+    from redumix.pipeline.harvest_folder import claim_settings
+    from redumix.pipeline.studies.ladder import ladder_record
+
+    path = tmp_path / "settings.json"
+    for text in ('{"seed": 0}', '{"version": 2, "record": {}}'):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=r"cannot read; delete it"):
+            claim_settings(path, ladder_record(load_config("tiny")), "ladder records", "delete it", ladder_record_v0)
+        assert path.read_text() == text

@@ -8,8 +8,8 @@ import pytest
 
 from redumix.common.files import atomic_write_jsonl
 from redumix.pipeline.config import load_config
-from redumix.pipeline.ladder import RESAMPLE, run_ladder, summarize_ladder
 from redumix.pipeline.run import RunDir
+from redumix.pipeline.studies.ladder import RESAMPLE, run_ladder, summarize_ladder
 
 SMALL = ["ladder.n=6", "ladder.batch_size=6", "sampling.max_new_tokens=32", "redumix.reflection_max_tokens=16"]
 
@@ -48,7 +48,7 @@ def test_ladder_resumes_and_refuses_other_settings(tmp_path):
     run_ladder(config, RunDir(tmp_path))
     again = {r["id"]: r for r in _records(tmp_path)}
     assert [again[r["id"]]["arms"] for r in whole] == [r["arms"] for r in whole]
-    with pytest.raises(ValueError, match=r"ladder\.redo_temperature"):
+    with pytest.raises(ValueError, match=r"redumix\.redo_temperature: 0\.0 -> 0\.7"):
         run_ladder(load_config("tiny", [*SMALL, "redumix.redo_temperature=0.7"]), RunDir(tmp_path))
     # A ladder's records come from one engine; on a new folder the embedded model is refused by vLLM, naming the key
     with pytest.raises(ValueError, match=r'[^.]engine: "hf" -> "vllm"'):
@@ -60,13 +60,13 @@ def test_ladder_resumes_and_refuses_other_settings(tmp_path):
 
 
 def test_a_finished_vllm_ladder_is_summarized_without_an_engine(tmp_path, monkeypatch):
-    import redumix.pipeline.ladder as ladder
+    import redumix.pipeline.studies.ladder as ladder
 
     run_ladder(load_config("tiny", SMALL), RunDir(tmp_path))
     (tmp_path / "ladder" / "ladder.md").unlink()
     settings_path = tmp_path / "ladder" / "settings.json"  # the same records, as vLLM's engine writes them
     settings = json.loads(settings_path.read_text())
-    settings["engine"] = "vllm"
+    settings["record"]["engine"] = "vllm"
     settings_path.write_text(json.dumps(settings))
 
     def no_engine(*args, **kwargs):

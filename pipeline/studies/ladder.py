@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict
 
 import torch
 from tqdm import tqdm
 
 from redumix.common.files import atomic_write_json, atomic_write_jsonl, atomic_write_text, read_jsonl
+from redumix.common.fingerprints import ladder_record_v0
 from redumix.common.ranks import print0
 from redumix.data.chat import template_pieces
 from redumix.data.prompts import attempt_messages
 from redumix.data.task import Example, Task
-from redumix.data.tasks import make_task
+from redumix.data.tasks import make_task, task_record
 from redumix.generate.engine import Engine
 from redumix.generate.loop import Generation
 from redumix.generate.redumix import FeedbackFn, RedoStages, redo_contexts, redo_policy, stage_seeds, task_feedback
@@ -70,8 +70,8 @@ def run_ladder(config: Config, run: RunDir) -> None:
     if todo or more:
         check_engine(config, run)
     out.mkdir(parents=True, exist_ok=True)
-    claim_settings(out / "settings.json", _settings(config), "ladder records",
-                   "use another --run-dir, or delete that folder to measure again")
+    claim_settings(out / "settings.json", ladder_record(config), "ladder records",
+                   "use another --run-dir, or delete that folder to measure again", ladder_record_v0)
     if len(todo) < len(examples):
         print0(f"ladder: resuming, {len(examples) - len(todo)} of {len(examples)} problems already in {records_path}"
                + (f"; {len(more)} of them get more resamples" if more else ""))
@@ -94,7 +94,7 @@ def run_ladder(config: Config, run: RunDir) -> None:
         engine.close()
     rows = [records[e.id] for e in examples]
     summary = summarize_ladder(rows, arm_names(config))
-    summary["settings"] = _settings(config)
+    summary["settings"] = ladder_record(config)
     atomic_write_json(out / "summary.json", summary)
     table = ladder_table(summary)
     atomic_write_text(out / "ladder.md", table)
@@ -277,15 +277,22 @@ def ladder_table(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _settings(config: Config) -> dict:
-    """What fixes a record: the model, the task, decoding and the ladder's levers (not n, skip, batch size or the
-    number of resamples, which only add to a record)."""
-    levers = {k: v for k, v in asdict(config.ladder).items() if k not in ("n", "skip", "batch_size", "resamples")}
-    # The redo's instruction and temperature were ladder keys before the harvest took them: they are kept where
-    # earlier run folders have them, so that those resume.
-    redumix = {k: v for k, v in asdict(config.redumix).items() if k not in ("instruction", "redo_temperature")}
-    levers |= {"redo_temperature": redo_policy(config.redumix, config.sampling).temperature,
-               "instruction": config.redumix.instruction}
-    return {"seed": config.seed, "model": asdict(config.model), "task": asdict(config.task),
-            "sampling": asdict(config.sampling), "redumix": redumix, "ladder": levers,
-            "engine": config.engine}  # a ladder's records come from one engine
+def ladder_record(config: Config) -> dict:
+    """What fixes a record, in the record's own names (common/fingerprints.py): the seed, the task, the model's path
+    and dtype, `sampling`, the redumix keys the ladder reads (the reflection's length, the redo's instruction and
+    effective temperature; λ and the critique's length for the self-critique arm alone) and its levers, and the engine,
+    since a ladder's records come from one engine. Not `redumix.feedback` or `feedback_file` (the ladder sets the
+    verifier and the self-critique itself), `redumix.topk` (the redo's texts draw from p_mix whole), the device,
+    compile_decoding or the batch sizes, nor n, skip or the number of resamples, which only add to the records."""
+    sampling, redumix, ladder = config.sampling, config.redumix, config.ladder
+    critique = ladder.self_critique
+    return {"seed": config.seed, "task": task_record(config.task),
+            "model": {"path": config.model.path, "dtype": config.model.dtype},
+            "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                         "max_new_tokens": sampling.max_new_tokens},
+            "redumix": {"reflection_max_tokens": redumix.reflection_max_tokens, "instruction": redumix.instruction,
+                        "redo_temperature": redo_policy(redumix, sampling).temperature,
+                        "lam": redumix.lam if critique else None,
+                        "critique_max_tokens": redumix.critique_max_tokens if critique else None},
+            "ladder": {"lams": list(ladder.lams), "self_critique": critique},
+            "engine": config.engine}

@@ -17,24 +17,25 @@ sample is in. The samples are decoded on the recipe's `engine`, on rank 0.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
 
 from redumix.common.files import atomic_write_bytes, atomic_write_json, atomic_write_jsonl, read_json, read_jsonl
+from redumix.common.fingerprints import rft_record_v0
 from redumix.common.ranks import barrier, print0, rank
 from redumix.data.chat import template_pieces
 from redumix.data.prompts import attempt_messages
 from redumix.data.shards import bad_shards, encode_shard, iter_rows, shard_name, shard_paths, shard_record
-from redumix.data.tasks import make_task
+from redumix.data.tasks import make_task, task_record
 from redumix.generate.policy import SamplingPolicy
 from redumix.generate.redumix import redo_policy
 from redumix.pipeline.config import Config
 from redumix.pipeline.engines import open_engine
 from redumix.pipeline.harvest_folder import claim_settings
-from redumix.pipeline.studies.ladder import graded, reply_texts, resample_names, resample_seeds
 from redumix.pipeline.lineage import harvest_id
+from redumix.pipeline.studies.ladder import graded, reply_texts, resample_names, resample_seeds
 
 
 def rft_harvest(config: Config, model: Path, harvest: Path, folder: Path) -> Path:
@@ -71,7 +72,8 @@ def draw_samples(config: Config, model: Path, rows: list[dict], folder: Path) ->
     h = config.harvest
     examples = {e.id: e for e in task.examples(h.split, h.skip + h.n)[h.skip :]}
     folder.mkdir(parents=True, exist_ok=True)
-    claim_settings(folder / "settings.json", _settings(config), "rft samples", f"delete {folder} to draw them again")
+    claim_settings(folder / "settings.json", rft_record(config), "rft samples", f"delete {folder} to draw them again",
+                   rft_record_v0)
     path = folder / "samples.jsonl"
     records = {r["id"]: r for _, r in read_jsonl(path)} if path.exists() else {}
     names = resample_names(config.evidence.rft_samples)
@@ -129,7 +131,12 @@ def rft_policy(config: Config) -> SamplingPolicy:
     return policy if temperature is None else replace(policy, temperature=temperature)
 
 
-def _settings(config: Config) -> dict:
-    """What fixes a sample: the model, the task, the seed and the policy (not k, which only adds samples)."""
-    return {"seed": config.seed, "model": asdict(config.model), "task": asdict(config.task),
-            "policy": asdict(rft_policy(config))}
+def rft_record(config: Config) -> dict:
+    """What fixes a sample, in the record's own names (common/fingerprints.py): the seed, the task, the model's path
+    and dtype and the samples' policy. Not k, which only adds samples, nor the device, compile_decoding, the batch
+    size or the engine, which change speed and float rounding only (as for a harvest)."""
+    policy = rft_policy(config)
+    return {"seed": config.seed, "task": task_record(config.task),
+            "model": {"path": config.model.path, "dtype": config.model.dtype},
+            "policy": {"temperature": policy.temperature, "top_p": policy.top_p, "top_k": policy.top_k,
+                       "max_new_tokens": policy.max_new_tokens}}
