@@ -1,4 +1,4 @@
-"""The `rft` evidence arm's k samples a problem (pipeline/rft.py) on the embedded model: they are the ladder's
+"""The `rft` evidence arm's k samples a problem (pipeline/studies/rft.py) on the embedded model: they are the ladder's
 resamples, the rows are each problem's distinct right answers, the folder trains, and a stopped run resumes."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 from redumix.common.files import atomic_write_jsonl
 from redumix.data.tasks import make_task
 from redumix.pipeline.config import load_config
-from redumix.pipeline.evidence import harvest_for
 from redumix.pipeline.evidence_arms import ARMS
 from redumix.pipeline.harvest_folder import check_harvest
-from redumix.pipeline.ladder import run_ladder
-from redumix.pipeline.rft import draw_samples
 from redumix.pipeline.run import RunDir
+from redumix.pipeline.studies.evidence import harvest_for
+from redumix.pipeline.studies.ladder import run_ladder
+from redumix.pipeline.studies.rft import draw_samples
 from redumix.train.data import filter_rows, load_harvest
 
 SMALL = ["harvest.n=6", "harvest.shard_rows=4", "harvest.batch_size=3", "sampling.max_new_tokens=32",

@@ -122,7 +122,7 @@ def test_eval_engine_vllm_decodes_the_plain_decoders_as_hf_does(tmp_path, model_
 def test_the_bases_off_task_answers_on_vllm_are_the_hf_answers(model_dir):
     """The evidence stage's off-task drift reads the base's greedy answers to the general set's questions; with
     engine=vllm they are decoded there, the same ids as on Hugging Face."""
-    from redumix.pipeline.drift import greedy_answers
+    from redumix.pipeline.studies.drift import greedy_answers
 
     questions = ["What is 2 + 3?", "Name a colour.", "Count to four.", "Why is the sky blue?", "Say hello."]
     answers = {engine: greedy_answers(load_config(ROOT / "recipes" / "tiny.yaml", [
@@ -244,7 +244,7 @@ def test_vllm_harvest_decodes_the_recipes_redo_levers_as_hf_does(tmp_path, model
 def test_the_rft_arms_samples_on_vllm_are_the_hf_samples(tmp_path, model_dir):
     """`evidence.rft_samples` draws on `engine`; either engine gives the same graded samples."""
     from redumix.data.tasks import make_task
-    from redumix.pipeline.rft import draw_samples
+    from redumix.pipeline.studies.rft import draw_samples
 
     settings = [f"model.path={model_dir}", *SMALL, "sampling.temperature=0.0", "redumix.redo_temperature=1.0",
                 "evidence.rft_samples=2"]
@@ -261,7 +261,7 @@ def test_the_rft_arms_samples_on_vllm_are_the_hf_samples(tmp_path, model_dir):
 def test_the_ladder_on_vllm_writes_the_hf_ladders_records(tmp_path, model_dir):
     """`engine=vllm`: the same records as the Hugging Face ladder: the attempt, feedback and reflection, the
     redo at each λ from the same two contexts, the self-critique arm and two resamples."""
-    from redumix.pipeline.ladder import run_ladder
+    from redumix.pipeline.studies.ladder import run_ladder
 
     settings = [f"model.path={model_dir}", "sampling.max_new_tokens=8", "sampling.temperature=0.0",
                 "redumix.redo_temperature=1.0", "redumix.reflection_max_tokens=8", "redumix.critique_max_tokens=8",
