@@ -82,7 +82,7 @@ def decode_loop(
     rows = list(range(n_examples))  # live row -> example index
     live = torch.arange(n_examples, device=device)
     alive = torch.ones(n_examples, dtype=torch.bool, device=device)
-    retired: dict[int, DecodeState] = {}
+    retired: list[tuple[list[int], DecodeState]] = []  # with keep_state: finished examples and their rows' state
     emitted = StepLog()
     for step in range(max_new_tokens):
         choice = choose(state.last_logits, live, step)
@@ -94,8 +94,8 @@ def decode_loop(
         tokens, embeds = choice.tokens, choice.inputs_embeds
         if should_compact(done, len(rows)):
             if keep_state:
-                for i in (~alive).nonzero().flatten().tolist():
-                    retired[rows[i]] = select(state, [i])
+                gone = (~alive).nonzero().flatten()
+                retired.append(([rows[i] for i in gone.tolist()], select(state, gone)))
             keep = alive.nonzero().flatten()
             state = select(state, torch.cat([keep + c * len(rows) for c in range(contexts)]))
             rows = [rows[i] for i in keep.tolist()]
@@ -110,11 +110,18 @@ def decode_loop(
     per_example = emitted.per_row(n_examples)
     generations = [generation_from(ids, stop_ids, fpe_per_token=contexts) for ids, *_ in per_example]
     logged = [tuple(columns) for _, *columns in per_example]
-    if not keep_state:
-        return LoopResult(generations, logged)
-    for i, row in enumerate(rows):
-        retired[row] = select(state, [i])
-    return LoopResult(generations, logged, merge([retired[row] for row in range(n_examples)]))
+    return LoopResult(generations, logged, in_input_order([*retired, (rows, state)]) if keep_state else None)
+
+
+def in_input_order(parts: list[tuple[list[int], DecodeState]]) -> DecodeState:
+    """One state of every example in input order, from (examples, their rows' state) parts, with the all-padding
+    columns on the left trimmed: the last part as it is when it holds every example in order (no row retired early,
+    so no copy), else one merge and one select."""
+    order = [example for examples, _ in parts for example in examples]
+    if len(parts) == 1 and order == list(range(len(order))) and bool(parts[0][1].attention_mask[:, 0].any()):
+        return parts[0][1]
+    merged = merge([state for _, state in parts])
+    return select(merged, sorted(range(len(order)), key=order.__getitem__))
 
 
 def decode_prompts(

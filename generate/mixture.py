@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from redumix.generate.loop import Choice, Generation, decode_loop
+from redumix.generate.loop import Choice, ChooseFn, Generation, decode_loop
 from redumix.generate.policy import SamplingPolicy, policy_logprobs, sample_tokens
 from redumix.generate.state import DecodeState, merge
 
@@ -48,6 +48,22 @@ def mixture_topk(
     return mix, top, tail
 
 
+def mixture_choice(lam: float, topk: int, policy: SamplingPolicy, seeds: torch.Tensor) -> ChooseFn:
+    """The mixture's choice rule over a batch of 2n rows (x's n, then x2's): the token drawn from p_mix, and p_mix's
+    top-k ids, their log-probs and the tail logged. The dynamic loop and the static one (static_cache.py) share it."""
+
+    def choose(logits: torch.Tensor, live: torch.Tensor, step: int | torch.Tensor) -> Choice:
+        half = logits.shape[0] // 2  # rows 0..n-1 hold x, rows n..2n-1 hold x2
+        mix, top, tail = mixture_topk(logits[:half], logits[half:], lam, topk)
+        if policy.greedy:
+            tokens = mix.argmax(dim=-1)
+        else:
+            tokens = sample_tokens(policy_logprobs(mix, policy), policy, seeds.to(live.device)[live], step)
+        return Choice(tokens, (top.indices, top.values, tail))
+
+    return choose
+
+
 def mixture_loop(
     model: PreTrainedModel,
     x_context: DecodeState,
@@ -65,16 +81,7 @@ def mixture_loop(
     the log of its mass outside the top-k. That tail is a logsumexp over the other ids, not 1 − Σp:
     the difference cancels when the top-k holds nearly all the mass.
     """
-
-    def choose(logits: torch.Tensor, live: torch.Tensor, step: int) -> Choice:
-        half = logits.shape[0] // 2  # rows 0..n-1 hold x, rows n..2n-1 hold x2
-        mix, top, tail = mixture_topk(logits[:half], logits[half:], lam, topk)
-        if policy.greedy:
-            tokens = mix.argmax(dim=-1)
-        else:
-            tokens = sample_tokens(policy_logprobs(mix, policy), policy, seeds.to(live.device)[live], step)
-        return Choice(tokens, (top.indices, top.values, tail))
-
-    state = merge([x_context, x2_context])
-    result = decode_loop(model, state, choose, stop_ids, max_new_tokens or policy.max_new_tokens, contexts=2)
+    tokens = max_new_tokens or policy.max_new_tokens
+    state = merge([x_context, x2_context], room=tokens)  # the loop feeds at most tokens − 1 more
+    result = decode_loop(model, state, mixture_choice(lam, topk, policy, seeds), stop_ids, tokens, contexts=2)
     return [(gen, *logged) for gen, logged in zip(result.generations, result.logged, strict=True)]

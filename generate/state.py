@@ -75,7 +75,7 @@ def forward(
         out = model(
             input_ids=input_ids,
             inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
+            attention_mask=step_mask(model, attention_mask) if new_mask.shape[1] == 1 else attention_mask,
             position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,
@@ -87,6 +87,21 @@ def forward(
         # A row with an empty segment keeps the distribution it had.
         logits = torch.where(new_mask[:, -1:].bool(), logits, state.last_logits)
     return DecodeState(cache, attention_mask, lengths + new_mask.sum(dim=1), logits)
+
+
+def step_mask(model: PreTrainedModel, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The mask of a one-token step. With padding, under SDPA and full attention, the 4D bool mask transformers would
+    build ([B, 1, 1, L]: the new position sees every real token), made here in one op, since transformers passes a
+    4D mask through and its mask code costs a decode step of a small model several percent (docs/benchmarks.md).
+    Without padding the 2D mask, which transformers drops for SDPA's maskless call: the same inputs either way."""
+    if model.config._attn_implementation != "sdpa" or not _full_attention(model.config) or bool(attention_mask.all()):
+        return attention_mask
+    return attention_mask.bool()[:, None, None, :]
+
+
+def _full_attention(config) -> bool:
+    kinds = getattr(config, "layer_types", None)
+    return all(k == "full_attention" for k in kinds) if kinds else getattr(config, "sliding_window", None) is None
 
 
 def prefill(model: PreTrainedModel, prompts: Sequence[Sequence[int]], pad_id: int) -> DecodeState:
@@ -121,6 +136,7 @@ class GrowingLayer(DynamicLayer):
         super().__init__()
         self.key_buffer: torch.Tensor | None = None
         self.value_buffer: torch.Tensor | None = None
+        self.filled: tuple[torch.Tensor, torch.Tensor] | None = None  # the views `fill_to` made, while still in place
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -129,7 +145,11 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         length = self.get_seq_length()
         end = length + key_states.shape[-2]
-        self.reserve(end, key_states, value_states)
+        # A decode step's usual case, checked by identity: keys and values are still the views fill_to made, with room
+        # after them. Else `reserve` checks what they are and copies where it must.
+        filled = self.filled
+        if not (filled and filled[0] is self.keys and filled[1] is self.values and end <= self.key_buffer.shape[2]):
+            self.reserve(end, key_states, value_states)
         self.key_buffer[:, :, length:end] = key_states
         self.value_buffer[:, :, length:end] = value_states
         self.fill_to(end)
@@ -144,6 +164,7 @@ class GrowingLayer(DynamicLayer):
 
     def fill_to(self, end: int) -> None:
         self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        self.filled = (self.keys, self.values)
 
 
 def _is_prefix_of(filled: torch.Tensor, buffer: torch.Tensor | None, end: int) -> bool:
@@ -209,8 +230,10 @@ def select(state: DecodeState, rows: torch.Tensor | list[int]) -> DecodeState:
 
 
 @torch.inference_mode()  # like `forward`: all cache tensors are inference tensors, one kind for the compiled step
-def merge(states: Sequence[DecodeState]) -> DecodeState:
-    """Stack states along the batch, left-padding the shorter ones (cache and mask) to the longest."""
+def merge(states: Sequence[DecodeState], room: int | None = None) -> DecodeState:
+    """Stack states along the batch, left-padding the shorter ones (cache and mask) to the longest. The new buffers
+    have `room` free positions (default: as many as filled), so a caller that knows how far it decodes allocates
+    only that."""
     width = max(s.attention_mask.shape[1] for s in states)
 
     def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -223,7 +246,8 @@ def merge(states: Sequence[DecodeState]) -> DecodeState:
 
     per_state = [_layers(s.cache) for s in states]
     cache = growing_cache()
-    cache.layers = [_stacked_layer([ls[i] for ls in per_state], width) for i in range(len(per_state[0]))]
+    cache.layers = [_stacked_layer([ls[i] for ls in per_state], width, width if room is None else room)
+                    for i in range(len(per_state[0]))]
     return DecodeState(
         cache,
         torch.cat([pad(s.attention_mask, 1) for s in states]),
@@ -232,15 +256,15 @@ def merge(states: Sequence[DecodeState]) -> DecodeState:
     )
 
 
-def _stacked_layer(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], width: int) -> GrowingLayer:
+def _stacked_layer(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], width: int, room: int) -> GrowingLayer:
     """A growing layer holding `parts` ((keys, values) each) stacked along the batch, each right-aligned to `width`:
     written straight into the new buffers, instead of padded and concatenated first and then copied in."""
     keys, values = parts[0]
     layer = GrowingLayer()
     layer.lazy_initialization(keys, values)
     rows = sum(k.shape[0] for k, _ in parts)
-    layer.key_buffer = keys.new_zeros((rows, keys.shape[1], 2 * width, keys.shape[3]))
-    layer.value_buffer = values.new_zeros((rows, values.shape[1], 2 * width, values.shape[3]))
+    layer.key_buffer = keys.new_zeros((rows, keys.shape[1], width + room, keys.shape[3]))
+    layer.value_buffer = values.new_zeros((rows, values.shape[1], width + room, values.shape[3]))
     first = 0
     for k, v in parts:
         layer.key_buffer[first : first + k.shape[0], :, width - k.shape[2] : width] = k
