@@ -2,6 +2,10 @@
 
 A row's context is its KV cache, which grows in place turn by turn (`DecodeState`, state.py): a later turn feeds only
 its new tokens. x and x2 of a redo are two such caches decoded in one batched forward per token (mixture.py).
+
+With `static_cache`, every turn and redo decodes on the static path (static_loop.py: one shape from the first step
+to the last, stop flags on the device, and on CUDA a captured graph replayed each step), the same ids as the dynamic
+loop in float32; the contexts between turns stay `DecodeState`s, so the stages above never know which runs.
 """
 
 from __future__ import annotations
@@ -18,13 +22,16 @@ from redumix.generate.model_io import stop_token_ids
 from redumix.generate.plain import generate_batch, sample_loop
 from redumix.generate.policy import SamplingPolicy
 from redumix.generate.state import DecodeState, clone, extend, merge, prefill, select
+from redumix.generate.static_loop import static_mixture_loop, static_sample_loop
 
 
 class HfEngine:
     name = "hf"
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, static_cache: bool = False) -> None:
         self.model = model
+        self.static_cache = static_cache
+        self.graphs = static_cache and model.device.type == "cuda"  # a CPU runs the static path eagerly
         self.tokenizer = tokenizer
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.window: int | None = getattr(model.config, "max_position_embeddings", None)
@@ -33,7 +40,13 @@ class HfEngine:
     @torch.no_grad()
     def sample(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
                policy: SamplingPolicy) -> list[Generation]:
-        return generate_batch(self.model, prompts, policy, seeds, self.stop_ids, self.pad_id)
+        if not self.static_cache:
+            return generate_batch(self.model, prompts, policy, seeds, self.stop_ids, self.pad_id)
+        gens, _ = self.continue_turn(self.open(prompts), seeds, policy, policy.max_new_tokens, keep=False)
+        for gen, prompt in zip(gens, prompts, strict=True):  # the prompt counts, as generate_batch counts it
+            gen.usage.prefill_tokens = len(prompt)
+            gen.usage.fpe += len(prompt)
+        return gens
 
     @torch.no_grad()
     def open(self, prompts: Sequence[Sequence[int]]) -> DecodeState:
@@ -46,8 +59,12 @@ class HfEngine:
     @torch.no_grad()
     def continue_turn(self, contexts: DecodeState, seeds: Sequence[int], policy: SamplingPolicy, max_tokens: int,
                       keep: bool) -> tuple[list[Generation], DecodeState | None]:
-        result = sample_loop(self.model, contexts, policy, torch.as_tensor(list(seeds), dtype=torch.long),
-                             self.stop_ids, max_tokens, keep_state=keep)
+        seeds_t = torch.as_tensor(list(seeds), dtype=torch.long)
+        if self.static_cache:
+            result = static_sample_loop(self.model, contexts, policy, seeds_t, self.stop_ids, max_tokens,
+                                        keep_state=keep, graphs=self.graphs)
+        else:
+            result = sample_loop(self.model, contexts, policy, seeds_t, self.stop_ids, max_tokens, keep_state=keep)
         return result.generations, result.state
 
     def fork(self, contexts: DecodeState) -> DecodeState:
@@ -68,8 +85,12 @@ class HfEngine:
     @torch.no_grad()
     def mix_redo(self, x: DecodeState, x2: DecodeState, seeds: Sequence[int], lam: float, topk: int,
                  policy: SamplingPolicy) -> list[MixedRedo]:
-        found = mixture_loop(self.model, x, x2, lam, topk, policy, torch.as_tensor(list(seeds), dtype=torch.long),
-                             self.stop_ids)
+        seeds_t = torch.as_tensor(list(seeds), dtype=torch.long)
+        if self.static_cache:
+            found = static_mixture_loop(self.model, x, x2, lam, topk, policy, seeds_t, self.stop_ids,
+                                        graphs=self.graphs)
+        else:
+            found = mixture_loop(self.model, x, x2, lam, topk, policy, seeds_t, self.stop_ids)
         return [MixedRedo(gen, ids, logprobs, tail) for gen, ids, logprobs, tail in found]
 
     def close(self) -> None:

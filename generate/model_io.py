@@ -67,6 +67,13 @@ class ModelConfig:
                   "where a step is bound by its calls (a small model, a small batch), after a one-off compile per "
                   "process; it changes float rounding only. Timings: docs/measurements.md."},
     )
+    static_cache: bool = field(
+        default=False,
+        metadata={"help": "HfEngine decodes over a static KV cache (generate/static_loop.py): fixed shapes, stop "
+                  "checks on the device every few steps, and on CUDA each step replayed from a captured CUDA graph. "
+                  "On a CPU it runs eagerly, the same ids in float32 (tests/test_engine.py); the harvest, eval and "
+                  "ladder read it."},
+    )
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

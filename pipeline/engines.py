@@ -41,7 +41,7 @@ def open_engine(config: Config, path: Path, name: str | None = None) -> Engine:
     """The engine `name` (by default the recipe's) over the checkpoint at `path`. Call `close()` after it."""
     if (name or config.engine) == HF:
         model, tokenizer = load_model(path, config.model)
-        return HfEngine(model, tokenizer)
+        return HfEngine(model, tokenizer, static_cache=config.model.static_cache)
     return VllmEngine(path, config.vllm, config.model.dtype, config.seed, str(pick_device(config.model.device)),
                       config.model.trust_remote_code, key="engine")
 

@@ -81,3 +81,34 @@ def test_one_key_picks_the_engine_and_the_old_keys_point_to_it(old):
     assert load_config("tiny", ["engine=vllm"]).engine == "vllm"
     with pytest.raises(ConfigError, match=rf"unknown key '{old}' \(did you mean 'engine'\?\)"):
         load_config("tiny", [f"{old}=vllm"])
+
+
+@pytest.mark.parametrize("feedback", ["verifier", "self"])
+def test_the_static_cache_engine_harvests_the_dynamic_engines_rows(tiny_chat_model, feedback, monkeypatch):
+    """`model.static_cache`: every stage and the redo on the static path (on CUDA, captured graphs) give the dynamic
+    loop's rows in float32: the same ids, the stored p_mix within 1e-5, the same counts."""
+    import redumix.generate.hf_engine as hf_engine
+    from redumix.generate.redumix import redumix_generate
+
+    static_calls = []
+    for name in ("static_sample_loop", "static_mixture_loop"):
+        real = getattr(hf_engine, name)
+        monkeypatch.setattr(hf_engine, name, lambda *a, real=real, name=name, **k: static_calls.append(name) or
+                            real(*a, **k))
+    model, tokenizer = tiny_chat_model
+    config = RedumixConfig(reflection_max_tokens=10, critique_max_tokens=6, feedback=feedback)
+    policy = SamplingPolicy(temperature=1.0, max_new_tokens=12)
+    fb = None if feedback == "self" else (lambda i, text: "Your answer is wrong.")
+    rows = {static: redumix_generate(HfEngine(model, tokenizer, static_cache=static), PROMPTS, IDS, config, policy,
+                                     3, fb) for static in (False, True)}
+    assert set(static_calls) == {"static_sample_loop", "static_mixture_loop"}  # the static rows came from it
+    for dynamic, static in zip(rows[False], rows[True], strict=True):
+        assert (static.original_ids, static.reflection_ids, static.redo_token_ids, static.x2_ids) == (
+            dynamic.original_ids, dynamic.reflection_ids, dynamic.redo_token_ids, dynamic.x2_ids)
+        assert static.topk_ids == dynamic.topk_ids and static.usage == dynamic.usage
+        torch.testing.assert_close(torch.tensor(static.topk_logprobs), torch.tensor(dynamic.topk_logprobs),
+                                   rtol=0, atol=1e-5)
+    plain = {static: HfEngine(model, tokenizer, static_cache=static).sample([[5, 6, 7], [8, 9]], [1, 2], policy)
+             for static in (False, True)}
+    assert [g.token_ids for g in plain[True]] == [g.token_ids for g in plain[False]]
+    assert [g.usage for g in plain[True]] == [g.usage for g in plain[False]]
