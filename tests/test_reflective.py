@@ -27,9 +27,9 @@ from redumix.generate.reflective_rules import at_trigger_point, peek_agrees, unc
 from redumix.generate.reflective_step import settle_peeks, step_with_peek
 from redumix.generate.reflective_tuning import calibrate_tau, choose_stop, matched_ablations
 from redumix.generate.state import clone, prefill
-from redumix.pipeline.studies import calibrate
 from redumix.pipeline.config import load_config
 from redumix.pipeline.run import RunDir
+from redumix.pipeline.studies import calibrate
 from tests.conftest import one_thread
 
 ROOT = Path(__file__).resolve().parents[1]
