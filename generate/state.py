@@ -147,8 +147,9 @@ class GrowingLayer(DynamicLayer):
         end = length + key_states.shape[-2]
         # A decode step's usual case, checked by identity: keys and values are still the views fill_to made, with room
         # after them. Else `reserve` checks what they are and copies where it must.
-        filled = self.filled
-        if not (filled and filled[0] is self.keys and filled[1] is self.values and end <= self.key_buffer.shape[2]):
+        filled, buffer = self.filled, self.key_buffer
+        if not (filled and filled[0] is self.keys and filled[1] is self.values and buffer is not None
+                and end <= buffer.shape[2]):
             self.reserve(end, key_states, value_states)
         self.key_buffer[:, :, length:end] = key_states
         self.value_buffer[:, :, length:end] = value_states

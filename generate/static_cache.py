@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
-from transformers.cache_utils import Cache, StaticLayer
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 from redumix.generate.state import DecodeState, growing_cache, left_pad
 
@@ -36,6 +36,7 @@ class StaticSlot(StaticLayer):
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, column: torch.Tensor) -> None:
         super().__init__(max_cache_len=keys.shape[2])
         self.keys, self.values, self.column = keys, values, column
+        self.buffers = (keys, values)  # the same tensors, typed: transformers' attributes may be None
         self.dtype, self.device = keys.dtype, keys.device
         self.batch_size, self.num_heads = keys.shape[:2]
         self.k_head_dim, self.v_head_dim = keys.shape[-1], values.shape[-1]
@@ -44,14 +45,16 @@ class StaticSlot(StaticLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         new = key_states.shape[2]
         where = self.column if new == 1 else self.column + torch.arange(new, device=self.device)
-        self.keys.index_copy_(2, where, key_states)
-        self.values.index_copy_(2, where, value_states)
-        return self.keys, self.values
+        keys, values = self.buffers
+        keys.index_copy_(2, where, key_states)
+        values.index_copy_(2, where, value_states)
+        return keys, values
 
 
 @dataclass
 class StaticContexts:
-    cache: Cache  # of StaticSlots
+    cache: Cache  # of `slots`, as the model takes them
+    slots: list[StaticSlot]
     mask: torch.Tensor  # [R, L] bool: a real token at that column
     lengths: torch.Tensor  # [R] long: real tokens per row, the position id of its next token
     column: torch.Tensor  # [1] long: the next column to write, the same for every row
@@ -69,7 +72,18 @@ class StaticContexts:
 def _contexts(layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor, lengths: torch.Tensor,
               column: int, last_logits: torch.Tensor) -> StaticContexts:
     at = torch.tensor([column], dtype=torch.long, device=mask.device)
-    return StaticContexts(Cache(layers=[StaticSlot(k, v, at) for k, v in layers]), mask, lengths, at, last_logits)
+    slots = [StaticSlot(k, v, at) for k, v in layers]
+    return StaticContexts(Cache(layers=list(slots)), slots, mask, lengths, at, last_logits)
+
+
+def _filled(state: DecodeState) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) of each of the state's layers, which must be full-attention ones."""
+    found = []
+    for layer in state.cache.layers:
+        if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
+            raise ValueError(f"a static cache takes full-attention layers, not {type(layer).__name__}")
+        found.append((layer.keys, layer.values))
+    return found
 
 
 @torch.inference_mode()
@@ -78,18 +92,18 @@ def static_contexts(states: Sequence[DecodeState], room: int) -> StaticContexts:
     `room` free columns after it: a loop of n new tokens writes n − 1 of them."""
     width = max(s.attention_mask.shape[1] for s in states)
     rows = sum(s.batch_size for s in states)
-    first = states[0]
-    mask = first.attention_mask.new_zeros((rows, width + room), dtype=torch.bool)
+    per_state = [_filled(s) for s in states]
+    mask = states[0].attention_mask.new_zeros((rows, width + room), dtype=torch.bool)
     layers = []
-    for i, layer in enumerate(first.cache.layers):
-        keys = layer.keys.new_zeros((rows, layer.keys.shape[1], width + room, layer.keys.shape[3]))
-        values = layer.values.new_zeros((rows, layer.values.shape[1], width + room, layer.values.shape[3]))
+    for i, (k0, v0) in enumerate(per_state[0]):
+        keys = k0.new_zeros((rows, k0.shape[1], width + room, k0.shape[3]))
+        values = v0.new_zeros((rows, v0.shape[1], width + room, v0.shape[3]))
         layers.append((keys, values))
         start = 0
-        for s in states:
-            filled = s.cache.layers[i]
-            keys[start : start + s.batch_size, :, width - filled.keys.shape[2] : width] = filled.keys
-            values[start : start + s.batch_size, :, width - filled.values.shape[2] : width] = filled.values
+        for s, filled in zip(states, per_state, strict=True):
+            k, v = filled[i]
+            keys[start : start + s.batch_size, :, width - k.shape[2] : width] = k
+            values[start : start + s.batch_size, :, width - v.shape[2] : width] = v
             start += s.batch_size
     start = 0
     for s in states:
@@ -105,8 +119,8 @@ def empty_contexts(model: PreTrainedModel, rows: int, capacity: int) -> StaticCo
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     like = next(model.parameters())
-    layers = [tuple(like.new_zeros((rows, heads, capacity, head_dim)) for _ in range(2))
-              for _ in range(config.num_hidden_layers)]
+    shape = (rows, heads, capacity, head_dim)
+    layers = [(like.new_zeros(shape), like.new_zeros(shape)) for _ in range(config.num_hidden_layers)]
     mask = torch.zeros((rows, capacity), dtype=torch.bool, device=like.device)
     lengths = torch.zeros(rows, dtype=torch.long, device=like.device)
     logits = torch.zeros((rows, config.vocab_size), dtype=torch.float32, device=like.device)
@@ -172,6 +186,6 @@ def static_extend(model: PreTrainedModel, contexts: StaticContexts, segments: Se
 def decode_state(contexts: StaticContexts) -> DecodeState:
     """The filled columns as the dynamic path's `DecodeState` (copied), to grow turn by turn from there."""
     filled = int(contexts.column)
-    layers = [(layer.keys[:, :, :filled], layer.values[:, :, :filled]) for layer in contexts.cache.layers]
+    layers = [(keys[:, :, :filled], values[:, :, :filled]) for keys, values in (s.buffers for s in contexts.slots)]
     return DecodeState(growing_cache(layers), contexts.mask[:, :filled].long(), contexts.lengths.clone(),
                        contexts.last_logits.clone())

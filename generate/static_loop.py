@@ -16,6 +16,7 @@ engine can decode a turn or the paired redo on either path.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from transformers import PreTrainedModel
@@ -82,8 +83,11 @@ def static_loop(
     stop = torch.as_tensor(list(stop_ids), dtype=torch.long, device=device)
     live = torch.arange(n, device=device)
     step = torch.zeros(1, dtype=torch.long, device=device)
+    # The choice rules take the step as a device tensor as well as an int (their draw, `sample_tokens`, does): here
+    # it must be a tensor, which the graph advances in place.
+    at_step = cast(int, step)
     alive = torch.ones(n, dtype=torch.bool, device=device)
-    first = choose(contexts.last_logits, live, step)
+    first = choose(contexts.last_logits, live, at_step)
     tokens = first.tokens.clone()
     log = StepBuffers(first, max_new_tokens)
     log.write(step, first, alive)
@@ -92,7 +96,7 @@ def static_loop(
     def one_step() -> None:
         static_forward(model, contexts, tokens.repeat(k)[:, None], alive.repeat(k)[:, None])
         step.add_(1)
-        choice = choose(contexts.last_logits, live, step)
+        choice = choose(contexts.last_logits, live, at_step)
         tokens.copy_(choice.tokens)
         log.write(step, choice, alive)
         alive.logical_and_(~(tokens[:, None] == stop).any(dim=1))
