@@ -64,6 +64,14 @@ EVAL_TOKENS = 48
 WARM = Stages(2, 2)
 
 
+def inputs() -> list[tuple[Path, str]]:
+    """What `run` reads from outside the checkout, and how to get it (bench/run.py checks before any module runs)."""
+    config = load_config(RECIPE)
+    return [(ROOT / config.model.path / "config.json", "`make qwen-coder-0.5b` builds it"),
+            (Path(config.task.gsm8k.path) / "train.jsonl", "GSM8K (MIT licence), which the recipes read from "
+             f"{config.task.gsm8k.path}, relative to where the bench runs")]
+
+
 def rate(count: Callable[[list], int], fn: Callable[..., list], *args: object) -> tuple[float, list]:
     """(tokens/s, products) of one call `fn(*args)`, its tokens counted from its products."""
     began = time.perf_counter()

@@ -6,20 +6,28 @@ against the same code on the CPU in float32:
   decoders     each eval decoder on the shipped tiny base: its ids on the device against the CPU's. In float32 they
                must be equal; in bfloat16 a near tie may flip, so the share that matches is reported
   harvest      the harvest's call (`redumix_generate`): redo ids, and the stored p_mix top-k log-probs on the tokens
-               both sides share, which must agree within bfloat16's tolerance (median |Δ| <= BF16_TOLERANCE nats)
-  cfg          the ReDuMix redo against transformers' CFG (`guidance_scale=λ, negative_prompt_ids=x2`) on the
+               both sides share, which must agree within bfloat16's tolerance (median |Δ| <= BF16_TOLERANCE nats);
+               and the ReDuMix redo against transformers' CFG (`guidance_scale=λ, negative_prompt_ids=x2`) on the
                device, given our x2: equal ids in float32
-  lora step    the pipeline's own harvest and train stages on the device (LoRA, 2 steps): finite losses
-  throughput   harvest examples/s and peak memory, ours against the `generate` loop a user writes, on SmolLM2-135M
-               (its real weights when `make smollm2` has run) and a Qwen2.5-1.5B-shaped model with random weights
-  compile      our harvest with `model.compile_decoding` off and on
+  static       the harvest on the static-cache path (generate/static_loop.py) against the dynamic loop, and on CUDA
+               the CUDA-graph path against the eager one (bench/gpu_speed.py, as are the next three)
+  lora         the pipeline's own harvest and train stages on the device (LoRA, 2 steps): finite losses
+  step         one decode step of the redo in ms: the dynamic loop, the static path eager and as a CUDA graph
+  throughput   harvest examples/s and peak memory of each of those against the `generate` loop a user writes, at
+               batch 16 and 64, on a Qwen2.5-1.5B-shaped model with random weights and SmolLM2-135M (its weights
+               after `make smollm2`, else its shape)
+  compile      our harvest with `model.compile_decoding` off and on, on SmolLM2-135M
   vllm         where vLLM imports (`make vllm`; the CUDA `vllm` package on a GPU): the engine's ReDuMix redo, as
                paired requests, against redumix's own Hugging Face redo on the same device in float32 (equal ids,
                stored top-k log-probs within VLLM_TOLERANCE), and a sampled redo alone against the same in a batch.
                Elsewhere the row says it was skipped and why
 
+Each row is printed and written to `--json` as soon as it is done. `--only static,step` runs some checks (the names
+above); `--budget-s S` starts no row after S seconds and says which checks it skipped, so a lease that ends keeps
+every finished row (bench/gpu_rows.py).
+
 Without CUDA it runs a smoke version on the CPU (`--smoke`, the default there): bfloat16 against float32 on the CPU,
-the embedded shape for the throughput rows, a few tokens a stage. The same code paths run, so CI finds a break
+the embedded shape for the speed rows, a few tokens a stage. The same code paths run, so CI finds a break
 before a GPU session does; the smoke's timings are not measurements of anything.
 """
 
@@ -29,24 +37,23 @@ import argparse
 import math
 import statistics
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.bench_decode import timed
-from bench.harvest_vs_hf import Redo, Stages, decodable_only, hf_harvest, hf_redo, ours_harvest
-from bench.models import embedded_model, embedded_tokenizer, seeded_model, smollm2_shape_model
-from redumix.common.files import atomic_write_json, read_json
+from bench.gpu_rows import FULL, SMOKE, Check, Row, Size, pick, run_checks, table
+from bench.gpu_speed import check_compile, check_speed, check_static
+from bench.harvest_vs_hf import Redo, Stages, hf_redo, ours_harvest
+from bench.models import embedded_tokenizer, seeded_model, smollm2_shape_model
+from redumix.common.files import read_json
 from redumix.data.tasks import make_task
+from redumix.generate.hf_engine import HfEngine
 from redumix.generate.model_io import ModelConfig, load_model
-from redumix.generate.state import use_compiled_decoding
 from redumix.pipeline.config import load_config
 from redumix.pipeline.decoders import make_decoder
-from redumix.pipeline.harvest import run_harvest
-from redumix.pipeline.run import RunDir
-from redumix.pipeline.train import run_train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_BASE = ROOT / "models" / "tiny-base"
@@ -57,27 +64,6 @@ DECODERS = ["greedy", "redumix-oracle", "redumix-self", "moi", "pdr", "sr", "ref
 BF16_TOLERANCE = 0.05
 # The engine's stored top-k log-probs against the Hugging Face redo's, both float32 (the CPU tests hold 1e-4).
 VLLM_TOLERANCE = 1e-4
-
-
-@dataclass(frozen=True)
-class Size:
-    examples: int  # problems per check
-    tokens: int  # new tokens a stage (attempt, reflection, redo)
-    repeats: int  # timed pairs per throughput row
-    batch: int
-
-
-FULL = Size(examples=64, tokens=64, repeats=3, batch=16)
-SMOKE = Size(examples=4, tokens=6, repeats=1, batch=4)
-
-
-@dataclass
-class Row:
-    check: str
-    model: str
-    setting: str
-    result: str
-    ok: bool | None  # None: a measurement, with nothing to pass or fail
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
@@ -104,41 +90,37 @@ def logprob_gaps(ours: list[Redo], reference: list[Redo], floor: float = -10.0) 
     return gaps
 
 
-def decoder_ids(model, tokenizer, config, task, examples) -> dict[str, list[list[int]]]:
-    found = {}
+def decoder_ids(model, tokenizer, config, task, examples, name: str) -> list[list[int]]:
     with torch.no_grad():
-        for name in DECODERS:
-            decoded = make_decoder(config, name, {})(model, tokenizer, examples, task)
-            found[name] = [d.token_ids for d in decoded]
-    return found
+        decoded = make_decoder(config, name, {})(HfEngine(model, tokenizer), examples, task)
+    return [d.token_ids for d in decoded]
 
 
-def check_decoders(device: str, size: Size) -> list[Row]:
+def check_decoders(device: str, size: Size) -> Iterator[Row]:
     config = load_config(ROOT / "recipes" / "tiny.yaml", [f"sampling.max_new_tokens={4 * size.tokens}"])
     task = make_task(config.task, config.seed)
     examples = task.examples("test", size.examples)
     reference_model, tokenizer = load_model(TINY_BASE, ModelConfig(device="cpu", dtype="float32"))
-    reference = decoder_ids(reference_model, tokenizer, config, task, examples)
-    rows = []
+    reference = {name: decoder_ids(reference_model, tokenizer, config, task, examples, name) for name in DECODERS}
     for dtype in ("float32", "bfloat16"):
         model, _ = load_model(TINY_BASE, ModelConfig(device=device, dtype=dtype))
-        found = decoder_ids(model, tokenizer, config, task, examples)
         for name in DECODERS:
-            equal, result = compare_ids(found[name], reference[name])
-            rows.append(Row(f"decoder {name}", "tiny-base", f"{device} {dtype} vs cpu float32", result,
-                            equal == len(examples) if dtype == "float32" else None))
-    return rows
+            equal, result = compare_ids(decoder_ids(model, tokenizer, config, task, examples, name), reference[name])
+            yield Row(f"decoder {name}", "tiny-base", f"{device} {dtype} vs cpu float32", result,
+                      equal == len(examples) if dtype == "float32" else None)
 
 
-def check_harvest_and_cfg(device: str, size: Size) -> list[Row]:
-    tokenizer = embedded_tokenizer()
-    prompts = [e.prompt for e in make_task(load_config(ROOT / "recipes" / "tiny.yaml").task, 0).examples(
+def tiny_prompts(size: Size) -> list[str]:
+    return [e.prompt for e in make_task(load_config(ROOT / "recipes" / "tiny.yaml").task, 0).examples(
         "test", size.examples)]
+
+
+def check_harvest_and_cfg(device: str, size: Size) -> Iterator[Row]:
+    tokenizer, prompts = embedded_tokenizer(), tiny_prompts(size)
     stages = Stages(size.tokens * 4, size.tokens * 4)
     reference_model, _ = load_model(TINY_BASE, ModelConfig(device="cpu", dtype="float32"))
     with torch.no_grad():
         reference = ours_harvest(reference_model, tokenizer, prompts, stages)
-    rows = []
     for dtype in ("float32", "bfloat16"):
         model, _ = load_model(TINY_BASE, ModelConfig(device=device, dtype=dtype))
         with torch.no_grad():
@@ -150,15 +132,32 @@ def check_harvest_and_cfg(device: str, size: Size) -> list[Row]:
         result += (f"; p_mix top-k log-prob |Δ| median {median_gap:.4f}, max {max(gaps, default=math.nan):.4f} nats "
                    f"over {len(gaps)} entries")
         ok = equal == len(prompts) if dtype == "float32" else median_gap <= BF16_TOLERANCE
-        rows.append(Row("harvest (redumix_generate)", "tiny-base", f"{device} {dtype} vs cpu float32", result, ok))
+        yield Row("harvest (redumix_generate)", "tiny-base", f"{device} {dtype} vs cpu float32", result, ok)
         cfg_equal, cfg_result = compare_ids([r.token_ids for r in theirs], [r.token_ids for r in ours])
-        rows.append(Row("ReDuMix redo vs transformers CFG", "tiny-base", f"{device} {dtype}, our x2 given",
-                        cfg_result, cfg_equal == len(prompts) if dtype == "float32" else None))
-    return rows
+        yield Row("ReDuMix redo vs transformers CFG", "tiny-base", f"{device} {dtype}, our x2 given",
+                  cfg_result, cfg_equal == len(prompts) if dtype == "float32" else None)
+
+
+def compare_redos(ours: list[Redo], reference: list[Redo]) -> tuple[int, str, float]:
+    """(rows with equal ids, the comparison in words, the largest |Δ| of a stored top-k log-prob both share)."""
+    equal, result = compare_ids([r.token_ids for r in ours], [r.token_ids for r in reference])
+    gaps = logprob_gaps(ours, reference)
+    gap = max(gaps, default=0.0)
+    return equal, f"{result}; stored top-k log-probs |Δ| max {gap:.1e} nats over {len(gaps)} entries", gap
+
+
+def tiny_base(device: str, dtype: str):
+    return load_model(TINY_BASE, ModelConfig(device=device, dtype=dtype))[0], embedded_tokenizer()
 
 
 def check_lora_step(device: str, size: Size) -> list[Row]:
     on_gpu = device.startswith("cuda")
+    try:  # TRL and datasets, which a lent GPU machine has only where their wheels were carried (gpu_session.sh)
+        from redumix.pipeline.harvest import run_harvest
+        from redumix.pipeline.run import RunDir
+        from redumix.pipeline.train import run_train
+    except ImportError as exc:
+        return [Row("LoRA train step (harvest + train stages)", "tiny-base", device, f"skipped: {exc}", None)]
     # 32 rows leave the train stage a held-out slice to score its KL on.
     overrides = [f"model.path={TINY_BASE}", f"model.device={device}", "harvest.n=32",
                  f"harvest.batch_size={size.batch}", f"harvest.shard_rows={size.batch}", "train.adapter=lora",
@@ -182,92 +181,8 @@ def check_lora_step(device: str, size: Size) -> list[Row]:
                 finite and metrics["steps"] == 2)]
 
 
-def peak_memory_gib(device: str) -> float | None:
-    return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
-
-
-def harvest_rate(model, tokenizer, harvest, prompts: list[str], stages: Stages, size: Size, device: str):
-    """(seconds per pass over `prompts` in batches of size.batch, peak memory in GiB or None)."""
-    parts = [prompts[start : start + size.batch] for start in range(0, len(prompts), size.batch)]
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-
-    def one_pass() -> None:
-        with decodable_only(model, len(tokenizer)), torch.no_grad():
-            for part in parts:
-                harvest(model, tokenizer, part, stages)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-
-    return timed(one_pass, min_seconds=0.0), peak_memory_gib(device)
-
-
-def throughput_models(device: str, smoke: bool):
-    """(label, model, tokenizer) of each throughput row, built on the device in the dtype it runs in."""
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    tokenizer = embedded_tokenizer()
-    if smoke:
-        yield "embedded shape (random)", embedded_model(tokenizer).to(device, dtype), tokenizer
-        return
-    if (SMOLLM2 / "config.json").is_file():
-        model, smol_tokenizer = load_model(SMOLLM2, ModelConfig(device=device, dtype="bfloat16"))
-        yield "SmolLM2-135M-Instruct", model, smol_tokenizer
-    else:
-        yield "SmolLM2-135M shape (random)", smollm2_shape_model().to(device, dtype), tokenizer
-    qwen = seeded_model("qwen2", 0, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                        num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-                        max_position_embeddings=32768, rope_theta=1000000.0, pad_token_id=0, eos_token_id=1)
-    yield "Qwen2.5-1.5B shape (random)", qwen.to(device, dtype).eval(), tokenizer
-
-
-def check_throughput(device: str, size: Size, smoke: bool) -> list[Row]:
-    prompts = [e.prompt for e in make_task(load_config(ROOT / "recipes" / "tiny.yaml").task, 0).examples(
-        "test", size.examples)]
-    stages = Stages(size.tokens, size.tokens)
-    dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    rows = []
-    for index, (label, model, tokenizer) in enumerate(throughput_models(device, smoke)):
-        for harvest in (hf_harvest, ours_harvest):  # warm-up
-            with decodable_only(model, len(tokenizer)), torch.no_grad():
-                harvest(model, tokenizer, prompts[: size.batch], Stages(2, 2))
-        seconds: dict[str, list[float]] = {"ours": [], "theirs": []}
-        memory: dict[str, float | None] = {}
-        for _ in range(size.repeats):
-            for side, harvest in (("theirs", hf_harvest), ("ours", ours_harvest)):
-                taken, memory[side] = harvest_rate(model, tokenizer, harvest, prompts, stages, size, device)
-                seconds[side].append(taken)
-        rate = {side: len(prompts) / statistics.median(found) for side, found in seconds.items()}
-        result = (f"ours {rate['ours']:.2f} ex/s, the generate loop {rate['theirs']:.2f} ex/s "
-                  f"(x{rate['ours'] / rate['theirs']:.2f})")
-        if memory["ours"] is not None:
-            result += f"; peak memory ours {memory['ours']:.2f} GiB, theirs {memory['theirs']:.2f} GiB"
-        rows.append(Row("harvest throughput", label, f"{device} {dtype}, batch {size.batch}, {size.tokens} tokens a "
-                        f"stage, {len(prompts)} examples", result, None))
-        if index == 0:  # the smallest model, where a step is bound by its calls and compiling can pay
-            rows.append(check_compile(model, tokenizer, prompts, stages, size, device, label, dtype))
-        del model
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
-    return rows
-
-
-def check_compile(model, tokenizer, prompts, stages: Stages, size: Size, device: str, label: str, dtype: str) -> Row:
-    """Our harvest eager, then with its one-token steps compiled (the compile itself excluded), on the same model."""
-    eager, _ = harvest_rate(model, tokenizer, ours_harvest, prompts, stages, size, device)
-    use_compiled_decoding(model)
-    with decodable_only(model, len(tokenizer)), torch.no_grad():  # the one-off compile
-        for batch in (1, size.batch):
-            ours_harvest(model, tokenizer, prompts[:batch], Stages(2, 2))
-    compiled = statistics.median(harvest_rate(model, tokenizer, ours_harvest, prompts, stages, size, device)[0]
-                                 for _ in range(size.repeats))
-    result = (f"eager {len(prompts) / eager:.2f} ex/s, compiled {len(prompts) / compiled:.2f} ex/s "
-              f"(x{eager / compiled:.2f})")
-    return Row("compile_decoding off -> on", label, f"{device} {dtype}, batch {size.batch}", result, None)
-
-
 def check_vllm_engine(device: str, size: Size) -> list[Row]:
-    """The vLLM engine (harvest.engine=vllm) against redumix's Hugging Face redo on the device, float32: a random
+    """The vLLM engine (engine=vllm) against redumix's Hugging Face redo on the device, float32: a random
     head_dim-64 Llama at smoke sizes, SmolLM2-135M (its weights when `make smollm2` has run) on a GPU."""
     check = "vLLM engine: paired ReDuMix redo vs HF redo"
     try:
@@ -320,11 +235,19 @@ def _vllm_model(folder: Path, size: Size) -> tuple[str, Path]:
     return "Llama, head_dim 64 (random)", folder
 
 
-def table(rows: list[Row]) -> str:
-    verdict = {True: "ok", False: "FAILED", None: "–"}
-    lines = ["| check | model | setting | result | verdict |", "|---|---|---|---|---|"]
-    lines += [f"| {r.check} | {r.model} | {r.setting} | {r.result} | {verdict[r.ok]} |" for r in rows]
-    return "\n".join(lines)
+def checks(device: str, size: Size, smoke: bool) -> dict[str, Check]:
+    """Every check by its `--only` name, in the order they run: what a lease has not yet measured first (the static
+    path's agreement, then its speed), the checks that earlier leases passed after, the costliest last."""
+    return {
+        "static": lambda: check_static(device, size, partial(tiny_base, device), tiny_prompts(size), compare_redos),
+        "step": partial(check_speed, device, size, smoke, SMOLLM2, "step"),
+        "throughput": partial(check_speed, device, size, smoke, SMOLLM2, "throughput"),
+        "harvest": partial(check_harvest_and_cfg, device, size),
+        "decoders": partial(check_decoders, device, size),
+        "lora": partial(check_lora_step, device, size),
+        "vllm": partial(check_vllm_engine, device, size),
+        "compile": partial(check_compile, device, size, smoke, SMOLLM2),
+    }
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
@@ -332,20 +255,18 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--smoke", action=argparse.BooleanOptionalAction, default=None,
                         help="the short CPU version (the default without CUDA)")
-    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--json", type=Path, help="also write the rows here, each as soon as it is done")
+    parser.add_argument("--only", help="comma-separated checks to run: " + ", ".join(checks("cpu", SMOKE, True)))
+    parser.add_argument("--budget-s", type=float, help="start no row after this many seconds (the rest are skipped)")
     args = parser.parse_args(argv)
     smoke = args.smoke if args.smoke is not None else not args.device.startswith("cuda")
     size = SMOKE if smoke else FULL
+    chosen = pick(checks(args.device, size, smoke), args.only)
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
-    print(f"gpu-check on {args.device} ({where}), {'smoke' if smoke else 'full'} sizes", flush=True)
-    rows = []
-    for check in (check_decoders, check_harvest_and_cfg, check_lora_step, check_vllm_engine):
-        rows += check(args.device, size)
-        print(table(rows[-1:]).splitlines()[-1], flush=True)
-    rows += check_throughput(args.device, size, smoke)
+    print(f"gpu-check on {args.device} ({where}), {'smoke' if smoke else 'full'} sizes: {', '.join(chosen)}"
+          + (f", budget {args.budget_s:g} s" if args.budget_s is not None else ""), flush=True)
+    rows = run_checks(chosen, args.budget_s, args.json)
     print(table(rows))
-    if args.json:
-        atomic_write_json(args.json, [r.__dict__ for r in rows])
     failed = [r.check for r in rows if r.ok is False]
     if failed:
         raise SystemExit(f"gpu-check: {len(failed)} checks failed: {', '.join(failed)}")
