@@ -12,9 +12,8 @@
   compile      our harvest with `model.compile_decoding` off and on (the compile itself excluded)
 
 The speed rows run on SmolLM2-135M (its weights after `make smollm2`, else its shape) and a Qwen2.5-1.5B-shaped model
-with random weights, at each batch of the size (16 and 64); at smoke sizes on the embedded shape. `StaticEngine` is
-the engine seam (generate/engine.py) with its turns and redo on the static path: the CUDA engine to come, for the
-bench.
+with random weights, at each batch of the size (16 and 64); at smoke sizes on the embedded shape. The static path is
+`HfEngine(static_cache=True)` (`model.static_cache`), with its CUDA graphs switched off for the eager figures.
 """
 
 from __future__ import annotations
@@ -32,14 +31,13 @@ from bench.bench_decode import FEEDBACK, TASK
 from bench.gpu_rows import Row, Size
 from bench.harvest_vs_hf import LAM, TOP_K, Redo, Stages, decodable_only, hf_harvest, ours_harvest
 from bench.models import embedded_model, embedded_tokenizer, seeded_model, smollm2_shape_model
-from redumix.generate.engine import MixedRedo
 from redumix.generate.hf_engine import HfEngine
 from redumix.generate.mixture import mixture_loop
 from redumix.generate.model_io import ModelConfig, load_model
 from redumix.generate.policy import SamplingPolicy
 from redumix.generate.redumix import RedumixConfig, redumix_generate
 from redumix.generate.state import prefill, use_compiled_decoding
-from redumix.generate.static_loop import static_mixture_loop, static_sample_loop
+from redumix.generate.static_loop import static_mixture_loop
 
 # float32, static against dynamic, over a whole harvest: the redo's contexts come from three stages decoded each way,
 # so a log-prob near −10 may move by 1e-6 relative; one loop from the same contexts holds 1e-5 (test_static_cache.py).
@@ -47,24 +45,12 @@ STATIC_TOLERANCE = 1e-4
 Harvest = Callable[[PreTrainedModel, PreTrainedTokenizerBase, Sequence[str], Stages], list[Redo]]
 
 
-class StaticEngine(HfEngine):
-    """`HfEngine` with every turn and the redo decoded on the static cache, eagerly or as CUDA graphs."""
-
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, graphs: bool = False) -> None:
-        super().__init__(model, tokenizer)
-        self.graphs = graphs
-
-    @torch.no_grad()
-    def continue_turn(self, contexts, seeds, policy, max_tokens, keep):
-        result = static_sample_loop(self.model, contexts, policy, torch.as_tensor(list(seeds), dtype=torch.long),
-                                    self.stop_ids, max_tokens, keep_state=keep, graphs=self.graphs)
-        return result.generations, result.state
-
-    @torch.no_grad()
-    def mix_redo(self, x, x2, seeds, lam, topk, policy) -> list[MixedRedo]:
-        found = static_mixture_loop(self.model, x, x2, lam, topk, policy,
-                                    torch.as_tensor(list(seeds), dtype=torch.long), self.stop_ids, graphs=self.graphs)
-        return [MixedRedo(gen, ids, logprobs, tail) for gen, ids, logprobs, tail in found]
+def static_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, graphs: bool) -> HfEngine:
+    """`HfEngine` on the static path (`model.static_cache`), its steps as CUDA graphs or, with `graphs` off, eager
+    on CUDA too: the two side by side."""
+    engine = HfEngine(model, tokenizer, static_cache=True)
+    engine.graphs = graphs
+    return engine
 
 
 def static_harvest(graphs: bool) -> Harvest:
@@ -74,7 +60,7 @@ def static_harvest(graphs: bool) -> Harvest:
         config = RedumixConfig(lam=LAM, topk=TOP_K, reflection_max_tokens=tokens.reflection)
         policy = SamplingPolicy(max_new_tokens=tokens.answer)
         ids = [f"bench-{i}" for i in range(len(prompts))]
-        results = redumix_generate(StaticEngine(model, tokenizer, graphs), prompts, ids, config, policy, 0,
+        results = redumix_generate(static_engine(model, tokenizer, graphs), prompts, ids, config, policy, 0,
                                    lambda i, attempt: FEEDBACK)
         return [Redo(r.x2_ids, r.redo_token_ids, r.topk_ids, r.topk_logprobs, r.tail_logprobs,
                      r.usage.generated_tokens) for r in results]
