@@ -31,7 +31,7 @@ class ForwardCounter:
     """Counts the non-padding token positions that go through `model.forward`, across all calls.
 
     Use as a context manager. The count is read from the call's inputs: `attention_mask[:, -T:]` when given
-    (T = new positions), else every position of input_ids / inputs_embeds.
+    (T = new positions; a 4D mask's last query row), else every position of input_ids / inputs_embeds.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -50,6 +50,11 @@ class ForwardCounter:
         mask = kwargs.get("attention_mask")
         if mask is not None and mask.dim() == 2:
             self.tokens += int(mask[:, -new_positions:].sum())
+        elif mask is not None and mask.dim() == 4:
+            # A 4D mask (state.step_mask, the static cache): its last query row sees every real new position, so the
+            # new positions' own columns there say which are real (bool: True; additive: 0).
+            own = mask[:, 0, -1, -new_positions:]
+            self.tokens += int((own if own.dtype == torch.bool else own == 0).sum())
         else:
             self.tokens += int(inputs.shape[0] * new_positions)
         self.calls += 1

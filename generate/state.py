@@ -156,12 +156,15 @@ class GrowingLayer(DynamicLayer):
         self.fill_to(end)
         return self.keys, self.values
 
-    def reserve(self, end: int, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
-        """Make the buffers hold positions up to `end` (shaped like `new_keys`/`new_values` but for length)."""
+    def reserve(self, end: int, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None) -> None:
+        """Make the buffers hold positions up to `end` (shaped like `new_keys`/`new_values`, by default the filled
+        ones, but for length)."""
         length = self.get_seq_length()
-        if not (_is_prefix_of(self.keys, self.key_buffer, end) and _is_prefix_of(self.values, self.value_buffer, end)):
-            self.key_buffer = _regrow(self.keys, new_keys, length, end)
-            self.value_buffer = _regrow(self.values, new_values, length, end)
+        keys, values = self.keys, self.values
+        assert keys is not None and values is not None  # set by lazy_initialization, before any reserve
+        if not (_is_prefix_of(keys, self.key_buffer, end) and _is_prefix_of(values, self.value_buffer, end)):
+            self.key_buffer = _regrow(keys, keys if new_keys is None else new_keys, length, end)
+            self.value_buffer = _regrow(values, values if new_values is None else new_values, length, end)
 
     def fill_to(self, end: int) -> None:
         self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
@@ -206,13 +209,18 @@ def growing_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> D
     return cache
 
 
-def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def full_attention_layers(cache: Cache) -> list[DynamicLayer]:
+    """The cache's layers, each a full-attention one (transformers' or a growing one), or an error naming the kind."""
     layers = []
     for layer in cache.layers:
-        if type(layer) not in (DynamicLayer, GrowingLayer):
+        if type(layer) not in (DynamicLayer, GrowingLayer) or not isinstance(layer, DynamicLayer):
             raise ValueError(f"decoding needs full-attention caches, got {type(layer).__name__}")
-        layers.append((layer.keys, layer.values))
+        layers.append(layer)
     return layers
+
+
+def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in full_attention_layers(cache)]
 
 
 @torch.inference_mode()  # like `forward`: all cache tensors are inference tensors, one kind for the compiled step
@@ -327,8 +335,8 @@ def _compiled_step(
     compiled forward; `cache` takes the new position as `forward`'s eager call would. The model sees the cache as
     static layers over a window-rounded span of the growing buffers, with a mask as wide, so the shapes change only
     when the batch does or the span grows; both are dynamic in the compiled graph."""
-    layers = cache.layers
-    if not all(type(layer) is GrowingLayer for layer in layers):
+    layers = [layer for layer in cache.layers if isinstance(layer, GrowingLayer)]
+    if len(layers) != len(cache.layers):
         raise ValueError("the compiled decode step needs the growing cache that prefill builds")
     width = attention_mask.shape[1] - 1  # the new position's column
     # Attend over the filled width rounded up to a whole window, not the whole buffer (up to twice the width): the
@@ -337,7 +345,7 @@ def _compiled_step(
     for layer in layers:
         # Room past the span as well, so the model always gets a strided view and one graph serves every step (a
         # view that happened to be the whole buffer would be contiguous and compile a second graph).
-        layer.reserve(span + 1, layer.keys, layer.values)
+        layer.reserve(span + 1)
     unfilled = attention_mask.new_zeros(attention_mask.shape[0], span - width - 1)
     out = getattr(model, COMPILED_FORWARD)(
         input_ids=input_ids,

@@ -35,7 +35,8 @@ MARKER = "fingerprint.json"
 
 def harvest_record(config: Config, task: Task) -> dict[str, Any]:
     """What decides the rows, in the record's own names (common/fingerprints.py). Not the batch size, the engine, the
-    device or compile_decoding: they change speed and float rounding only, so a harvest may resume under another."""
+    device, compile_decoding or static_cache: they change speed and float rounding only, so a harvest may resume
+    under another."""
     sampling, redumix, harvest = config.sampling, config.redumix, config.harvest
     return {
         "seed": config.seed,

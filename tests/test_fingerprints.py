@@ -109,7 +109,8 @@ def test_the_bundled_recipes_translate_from_version_0_to_their_record():
 def test_every_setting_of_the_harvest_sections_is_in_the_record_or_named_as_not_deciding_the_rows():
     """A new setting has to be placed: either it changes the record (and the rows' fingerprint), or it is one of
     these, which change speed or float rounding only."""
-    not_deciding = {"model": {"trust_remote_code", "device", "compile_decoding"}, "harvest": {"batch_size", "engine"},
+    not_deciding = {"model": {"trust_remote_code", "device", "compile_decoding", "static_cache"},
+                    "harvest": {"batch_size", "engine"},
                     "embedded": {"threads", "checkpoint_steps", "eval_batch_size", "shipped"}}
     config = load_config("tiny", ["redumix.feedback=human", "redumix.feedback_file=f.jsonl"])
     task = make_task(config.task, config.seed)
@@ -388,7 +389,7 @@ def test_every_setting_the_ladder_and_rft_read_is_in_their_record_or_named_as_no
 
     config = load_config("tiny", ["ladder.self_critique=true"])
     holders = [(name, getattr(config, name)) for name in ("model", "sampling", "redumix", "ladder")]
-    speed = {"model.trust_remote_code", "model.device", "model.compile_decoding"}
+    speed = {"model.trust_remote_code", "model.device", "model.compile_decoding", "model.static_cache"}
     ladder = _deciding(ladder_record, config, holders)
     assert {key for key, moves in ladder.items() if not moves} == speed | {
         "redumix.topk", "redumix.feedback", "redumix.feedback_file", "ladder.n", "ladder.skip", "ladder.batch_size",

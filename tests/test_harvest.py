@@ -191,5 +191,5 @@ def test_the_redo_instruction_and_temperature_are_the_harvests_levers(tmp_path, 
         assert text(b["x2_token_ids"]).endswith(REDO_INSTRUCTIONS["answer"].replace(" ", "") + "<|end|><|assistant|>")
         assert (c["original"], c["x2_token_ids"]) == (b["original"], b["x2_token_ids"])
     assert any(b["redo"] != c["redo"] for b, c in zip(answer, sampled, strict=True))  # the redo alone is drawn
-    settings = json.loads((tmp_path / "sampled" / "harvest" / "fingerprint.json").read_text())["settings"]
+    settings = json.loads((tmp_path / "sampled" / "harvest" / "fingerprint.json").read_text())["record"]
     assert settings["redumix"]["instruction"] == "answer" and settings["redumix"]["redo_temperature"] == 1.0
