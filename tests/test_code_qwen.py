@@ -1,0 +1,60 @@
+"""The MBPP recipe on the real Qwen2.5-Coder-0.5B weights (`make qwen-coder-0.5b`) through harvest, train and eval at
+a few rows: the `code` task's feedback reaches x2 from the sandbox, and the records grade as the task grades them."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from redumix.data.code import CodeTask
+from redumix.data.shards import iter_rows, shard_paths
+from redumix.data.task import Example
+from redumix.pipeline.config import load_config
+from redumix.pipeline.eval import run_eval
+from redumix.pipeline.harvest import run_harvest
+from redumix.pipeline.run import RunDir
+from redumix.pipeline.train import run_train
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "qwen2.5-coder-0.5b-mbpp.yaml"
+FOLDER = ROOT / "models" / "qwen2.5-coder-0.5b-instruct"
+MBPP = ROOT.parent / "shared" / "data" / "mbpp" / "mbpp.jsonl"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (FOLDER / "config.json").is_file(),
+                       reason=f"no {FOLDER.relative_to(ROOT)}: run `make qwen-coder-0.5b` first"),
+    pytest.mark.skipif(not MBPP.is_file(), reason=f"MBPP is read from {MBPP}, which is absent"),
+]
+
+
+def test_the_mbpp_recipe_runs_harvest_train_and_eval(tmp_path):
+    config = load_config(RECIPE, [
+        f"task.code.mbpp_path={MBPP}", "harvest.n=4", "harvest.batch_size=4", "harvest.shard_rows=4",
+        "sampling.max_new_tokens=96", "redumix.reflection_max_tokens=24", "redumix.critique_max_tokens=12",
+        "train.max_steps=2", "train.save_steps=1", "train.heldout_fraction=0.25", "train.batch_size=2",
+        "eval.n=2", "eval.n_other=2", "eval.batch_size=2", "eval.decoders=[greedy, redumix-oracle]",
+        "eval.tuned_decoders=[greedy]",
+    ])
+    task = CodeTask(config.task.code, prompt_suffix=config.task.prompt_suffix)
+    run = RunDir(tmp_path / "run")
+    run_harvest(config, run)
+    rows = list(iter_rows(shard_paths(run.harvest)))
+    assert [row["id"] for row in rows] == [f"mbpp-{i}" for i in range(511, 515)]
+    for row in rows:
+        example = Example(row["id"], "code", row["prompt"], row["reference"])
+        assert row["feedback"] == task.feedback(row["original"], example)  # the sandbox's words, in x2
+        assert row["original_correct"] == task.is_correct(row["original"], example)
+        assert len(row["mix_topk_ids"]) == len(row["redo_token_ids"]) > 0
+    trained = run_train(config, run)
+    assert trained["steps"] == 2 and math.isfinite(trained["final_loss"])
+    run_eval(config, run)
+    report = json.loads((run.eval / "report.json").read_text())
+    assert {(r["checkpoint"], r["decoder"]) for r in report["rows"]} == {
+        ("base", "greedy"), ("base", "redumix-oracle"), ("tuned", "greedy")}
+    for record in map(json.loads, (run.eval / "generations" / "base--greedy.jsonl").read_text().splitlines()):
+        example = Example(record["id"], "code", record["prompt"], record["reference"])
+        assert record["correct"] == task.is_correct(record["output"], example)
