@@ -9,7 +9,9 @@ never the record, and no fingerprint needs a shim. A marker keeps its record bes
 names the keys that differ.
 
 `RECORD_VERSION` is the records' form. Adding a setting that changes outputs to a record is a new version and one
-more step in this module that gives the new key the value that reproduces the older outputs.
+more step in this module that gives the new key the value that reproduces the older outputs. A task's setting whose
+default reproduces them is instead left out of the record at that default (`task_record`:
+`task.constraints.holdout_requests`), so it keeps the version and every older fingerprint.
 
 Version 0 is what markers held before: a hash of the config's layout (`harvest/fingerprint.json`: the settings in
 the layout of 2026-11, with the embedded section flat under `base`; `embedded/build_config.yaml`: the same

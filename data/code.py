@@ -33,17 +33,19 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import json
 import re
+import tokenize
 import zipfile
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from redumix.common.files import atomic_write_bytes, read_jsonl
 from redumix.data.code_feedback import feedback_text
-from redumix.data.sandbox import Limits, Outcome, Program, run_batch
+from redumix.data.sandbox import Limits, Outcome, Program, isolation, run_batch
 from redumix.data.task import Example, Split
 
 MBPP_SHA256 = "0b7004a79cd62d9ec7ecdd5a6e5f0ef1210ff00b286df3c5d5b57bf38c58e19a"
@@ -97,6 +99,21 @@ def extract_code(text: str) -> tuple[str, bool]:
         if match.group(1).lower() in ("", "python", "py", "python3"):
             return match.group(2), True
     return text, False
+
+
+def code_key(code: str) -> str:
+    """The code without its comments, blank lines and trailing spaces: two replies whose code differs only there give
+    the same answer (the ladder counts a redo that gives it back as a repeat). Code that does not tokenize loses only
+    its whole-line comments."""
+    lines = code.splitlines()
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(code).readline):
+            if token.type == tokenize.COMMENT:
+                row, col = token.start
+                lines[row - 1] = lines[row - 1][:col]
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        lines = [line for line in lines if not line.lstrip().startswith("#")]
+    return "\n".join(line.rstrip() for line in lines if line.strip())
 
 
 def _checked_bytes(path: Path, sha256: str, what: str, fix: str) -> bytes:
@@ -208,14 +225,19 @@ class CodeTask:
         return {p.example.id: f"```python\n{p.solution.strip()}\n```" for p in self._problems(split)[:n]}
 
     def answer(self, text: str) -> str | None:
-        code = extract_code(text)[0].strip()
-        return code or None
+        """The reply's code without comments and blank lines (`code_key`), or None when there is none."""
+        return code_key(extract_code(text)[0]) or None
 
     # --- grading ---------------------------------------------------------------------------------------------------
 
     @property
     def limits(self) -> Limits:
         return Limits(timeout_s=self.config.timeout_s, memory_mb=self.config.memory_mb)
+
+    def grader(self) -> dict[str, Any]:
+        """What graded the run's code, for its manifest: the sandbox's layers on this host (a missing one says why)
+        and the limits a program ran under."""
+        return {"sandbox": isolation(), "limits": asdict(self.limits)}
 
     def grade_many(self, texts: list[str], examples: list[Example]) -> list[Outcome]:
         """Every reply graded, the new ones on parallel workers; later calls on the same replies read the cache."""

@@ -40,7 +40,14 @@ be graded again on its own.
 **Splits.** A problem's canonical form is its request with its constraints sorted (their order in the prompt does
 not count). It falls into one of ten buckets by a stable hash (data/splits.py, as arith's problems do): bucket 0 is
 the `test` split, the other nine the `train` split (no base pre-trains on this task, so nothing is kept back for it).
-Both splits use every request; a problem (request and constraints) is in one split only.
+Both splits use every request; a problem (request and constraints) is in one split only. With
+`holdout_requests` N > 0 the request alone decides: the N requests whose text hashes first (`held_out_requests`)
+are the test split's, in every bucket, and the train split never draws them.
+
+**A blind reply** (`template_reply`) is built from the constraints alone, never the request: the phrases to start
+and end with, a title, the words to include, the bullets, each filled with one word, in the case asked for, wrapped
+in JSON when asked. It meets every kind but `min_words` without answering anything; eval's report gives its pass
+rate (and that of `ok` alone) on the test examples as a baseline (`blind_replies`).
 
 **No contradictions.** `contradiction` names why a set of constraints could not all hold (lowercase with uppercase,
 a word to include or a phrase to write that holds a banned letter or a banned word or, under `no_commas`, a comma,
@@ -51,6 +58,7 @@ thrown away.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Callable, Iterator
@@ -201,6 +209,13 @@ class ConstraintsConfig:
         default_factory=lambda: [2, 5],
         metadata={"help": "[low, high]: the N of bullets ('exactly N bullet points') is drawn from low..high."},
     )
+    holdout_requests: int = field(
+        default=0,
+        metadata={"help": f"How many of the {len(TOPICS)} requests only the test split uses (the ones whose text "
+                  "hashes first), so that no test prompt shares its request with a train prompt; 0: both splits use "
+                  "every request and a problem is in one split only.",
+                  "record": "at_default_left_out"},  # 0 draws what came before the key: old fingerprints stand
+    )
 
     def __post_init__(self) -> None:
         problems = []
@@ -216,6 +231,9 @@ class ConstraintsConfig:
             pair = getattr(self, name)
             if len(pair) != 2 or not 1 <= pair[0] <= pair[1]:
                 problems.append(f"{name} must be [low, high] with 1 <= low <= high, got {pair}")
+        if not 0 <= self.holdout_requests < len(TOPICS):
+            problems.append(f"holdout_requests must be at least 0 and fewer than the {len(TOPICS)} requests (the "
+                            f"train split needs some), got {self.holdout_requests}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -299,14 +317,25 @@ def sample_problem(rng: random.Random, config: ConstraintsConfig) -> Problem:
     return Problem(topic, tuple(Constraint(kind, KINDS[kind].draw(rng, config)) for kind in kinds))
 
 
+def held_out_requests(count: int) -> frozenset[str]:
+    """The `count` requests of `TOPICS` whose text's SHA-256 comes first: the same in every process and run."""
+    return frozenset(sorted(TOPICS, key=lambda topic: hashlib.sha256(topic.encode()).digest())[:count])
+
+
 def problems_in_split(config: ConstraintsConfig, split: Split, seed: int) -> Iterator[Problem]:
     """An endless, seeded stream of distinct problems with no contradiction whose canonical form hashes into the
-    split's buckets."""
+    split's buckets; with `holdout_requests`, those of the split's requests instead, in every bucket."""
     buckets = split_buckets("constraints", split, SPLIT_BUCKETS)
+    held = held_out_requests(config.holdout_requests)
+    if held:
+        buckets = set(range(BUCKETS))
+
+    def keep(problem: Problem) -> bool:
+        return not contradiction(problem.constraints) and (not held or (problem.topic in held) == (split == "test"))
+
     return distinct_problems("constraints", split, seed, buckets, lambda rng: sample_problem(rng, config),
                              lambda problem: problem.key, "the settings (task.constraints: kinds, "
-                             "constraints_min/max and the ranges)", keep=lambda problem: not contradiction(
-                                 problem.constraints))
+                             "constraints_min/max, the ranges and holdout_requests)", keep=keep)
 
 
 def constraint_problems(config: ConstraintsConfig, split: Split, n: int, seed: int) -> list[Problem]:
@@ -319,6 +348,17 @@ def constraint_problems(config: ConstraintsConfig, split: Split, n: int, seed: i
 
 def constraints_of(example: Example) -> list[Constraint]:
     return [Constraint.from_spec(spec) for spec in json.loads(example.reference)]
+
+
+def template_reply(example: Example) -> str:
+    """A reply that addresses no request, built from the example's constraints alone (the module's "A blind reply"):
+    the words its phrases, title, included words and bullets force, or one word when nothing does."""
+    by = {c.kind: c.value for c in constraints_of(example)}
+    head = [by.get("start_with", ""), "<<done>>" if "title" in by else "", *by.get("include_words", ())]
+    lines = [" ".join(piece for piece in head if piece), *["* done"] * by.get("bullets", 0), by.get("end_with", "")]
+    text = "\n".join(line for line in lines if line) or "done"
+    text = text.lower() if "lowercase" in by else text.upper() if "uppercase" in by else text
+    return json.dumps([text]) if "json" in by else text
 
 
 def failures(text: str, example: Example) -> dict[str, str | None]:
@@ -361,6 +401,11 @@ class ConstraintsTask:
     @staticmethod
     def is_correct(text: str, example: Example) -> bool:
         return all(ConstraintsTask.sub_scores(text, example).values())
+
+    @staticmethod
+    def blind_replies(example: Example) -> dict[str, str]:
+        """Replies that answer no request, by name: eval's report grades them on its test examples as baselines."""
+        return {"template reply (no topic)": template_reply(example), "`ok` alone": "ok"}
 
     @staticmethod
     def feedback(text: str, example: Example) -> str:

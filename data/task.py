@@ -10,7 +10,11 @@ that applies to the example (`constraints` gives one per constraint, by kind). I
 protocol: eval keeps them in each record, and its report gives each name's pass rate over the examples it applies
 to. A task with reference solutions may give `privileged_feedback(text, example)`: the verifier's feedback and the
 reference (or a hint cut from it), the privileged context a harvest on train problems shows in x2
-(`redumix.feedback=reference`); it must refuse a test problem.
+(`redumix.feedback=reference`); it must refuse a test problem. A task that runs the model's code may give
+`grader() -> dict`: what graded it (the sandbox's layers on this host, the limits), which the harvest's manifest
+and eval's report record. A task whose checker a reply can pass without answering may give
+`blind_replies(example) -> dict[str, str]`: named replies built without the request (`constraints`: a template from
+the constraints alone, and `ok`), which eval's report grades on greedy's examples as baselines, at no model call.
 """
 
 from __future__ import annotations

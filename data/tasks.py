@@ -70,7 +70,15 @@ def make_task(config: TaskConfig, seed: int) -> Task:
 def task_record(config: TaskConfig) -> dict[str, Any]:
     """What decides a task's problems and prompts, for the fingerprints (common/fingerprints.py): its name, the
     prompt suffix and the named task's own section, whole (its settings define its problems). No other task's
-    section: adding a task, or changing another task's settings, moves no fingerprint of this one's runs."""
+    section: adding a task, or changing another task's settings, moves no fingerprint of this one's runs. A setting
+    added later whose default draws what came before it (metadata `"record": "at_default_left_out"`) is left out at
+    that default, so the runs made before it keep their fingerprints."""
     entry = TASKS[config.name]
-    settings = dataclasses.asdict(getattr(config, config.name)) if entry.settings is not None else None
+    if entry.settings is None:
+        return {"name": config.name, "prompt_suffix": config.prompt_suffix, "settings": None}
+    section = getattr(config, config.name)
+    settings = dataclasses.asdict(section)
+    for f in dataclasses.fields(section):
+        if f.metadata.get("record") == "at_default_left_out" and getattr(section, f.name) == f.default:
+            del settings[f.name]
     return {"name": config.name, "prompt_suffix": config.prompt_suffix, "settings": settings}

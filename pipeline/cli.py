@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from redumix.common.files import atomic_write_json, atomic_write_jsonl
 from redumix.common.ranks import print0, rank
 from redumix.pipeline import reference
 from redumix.pipeline.claim import claimed
@@ -28,6 +29,7 @@ from redumix.pipeline.decoders import DECODERS
 from redumix.pipeline.habits import translate
 from redumix.pipeline.lock import RunFolderBusy
 from redumix.pipeline.preflight import check_model_folder, where_set
+from redumix.pipeline.records import prompt_grades, read_records
 from redumix.pipeline.resolve import EXTENDS, ConfigError, changed_keys, config_to_yaml
 from redumix.pipeline.run import RunDir
 from redumix.pipeline.stages import STAGES, Stage, stages_text
@@ -77,7 +79,8 @@ def _top_parser() -> argparse.ArgumentParser:
         epilog=f"stages (the pipeline: harvest, train, eval):\n{stages}\n\nother commands:\n"
         f"  {'config':<10} print the resolved config; with --name NAME, a recipe of your own\n"
         f"  {'decoders':<10} list the decoders that eval.decoders may name\n"
-        f"  {'stages':<10} list the stages\n\n"
+        f"  {'stages':<10} list the stages\n"
+        f"  {'grades':<10} an eval's per-prompt grades, small enough to commit\n\n"
         "`redumix STAGE --help` lists the config keys a stage reads, with defaults and help.",
     )
 
@@ -236,7 +239,30 @@ def stages_command(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"config": config_command, "decoders": decoders_command, "stages": stages_command}
+def grades_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="redumix grades", description="Write an eval's per-prompt grades (id, pass, reply tokens, reply hash; "
+        "no reply, no weights) to OUT: one JSON Lines file per checkpoint and decoder, and index.json with each "
+        "file's model, n and accuracy, so a table can be recomputed after the run folder is gone.")
+    parser.add_argument("eval_dir", type=Path, help="an eval folder (RUN_DIR/eval) with generations/*.jsonl")
+    parser.add_argument("out", type=Path, help="where to write them, e.g. docs/records/NAME")
+    args = parser.parse_args(argv)
+    sources = sorted((args.eval_dir / "generations").glob("*.jsonl"))
+    if not sources:
+        raise FileNotFoundError(f"{args.eval_dir / 'generations'}: no records; run `redumix eval` first")
+    index = {}
+    for source in sources:
+        records = read_records(source)
+        atomic_write_jsonl(args.out / source.name, prompt_grades(records))
+        index[source.name] = {"model": sorted({r["model"] for r in records}), "n": len(records),
+                              "accuracy": sum(r["correct"] for r in records) / max(len(records), 1)}
+    atomic_write_json(args.out / "index.json", index)
+    print(f"grades: {len(sources)} files written to {args.out}")
+    return 0
+
+
+COMMANDS = {"config": config_command, "decoders": decoders_command, "stages": stages_command,
+            "grades": grades_command}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,6 +37,7 @@ from redumix.pipeline.plot import plot_accuracy_vs_fpe
 from redumix.pipeline.preflight import check_inputs
 from redumix.pipeline.records import make_record, record_identity, records_for, records_path, score_resumable
 from redumix.pipeline.report import (
+    blind_replies,
     reflection_diagnostics,
     report_markdown,
     summarize,
@@ -95,7 +96,9 @@ def run_eval(
               "inputs": {"harvest": harvest_id(run.harvest), "train": file_id(run.train / "metrics.json"),
                          "models": {k: model_id(v) for k, v in checkpoints.items()}},
               "rows": rows, "tuned_vs_base": tuned_vs_base(every_record, base=config.eval.base_label),
-              "diagnostics": diagnostics, "peak_rss_mb": peak_rss_mb()}
+              "blind_replies": blind_replies(task, examples[: config.eval.n]),  # greedy's examples, no model call
+              "diagnostics": diagnostics, "peak_rss_mb": peak_rss_mb(),
+              "grader": task.grader() if hasattr(task, "grader") else None}  # what ran the model's code
     # The report first, whole (report.json, the completion marker, after its Markdown), then the plot drawn from it:
     # a plot that fails is a warning, and a rerun after a stop between the two draws the plot (missing, or older
     # than the report).

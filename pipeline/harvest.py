@@ -106,7 +106,8 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
         harvest_shards(config, run, task, examples, todo, writes=rank() % ranks_per_group == 0)
     barrier()
     if rank() == 0:
-        manifest = harvest_manifest(config, out, n_shards, fingerprint)
+        grader = task.grader() if hasattr(task, "grader") else None
+        manifest = harvest_manifest(config, out, n_shards, fingerprint, grader)
         atomic_write_json(manifest_path, manifest)  # last: its presence means the stage is complete
         log_metrics(run.metrics, "harvest", **{k: v for k, v in manifest.items() if isinstance(v, (int, float))})
         print0(format_summary(manifest))

@@ -212,7 +212,7 @@ def check_harvest(folder: Path) -> None:
         )
 
 
-def harvest_manifest(config: Config, out: Path, n_shards: int, fingerprint: str) -> dict:
+def harvest_manifest(config: Config, out: Path, n_shards: int, fingerprint: str, grader: dict | None = None) -> dict:
     """manifest.json's content: the shards with their rows and hashes, and the harvest's totals over every row."""
     paths = [out / shard_name(k) for k in range(n_shards)]
     missing = [p.name for p in paths if not p.exists()]
@@ -263,6 +263,8 @@ def harvest_manifest(config: Config, out: Path, n_shards: int, fingerprint: str)
         "retried_pairs": retried,
         "vllm_version": vllm_version() if "vllm" in engines else None,
         "peak_rss_mb": peak_rss_mb(),  # this process's (rank 0's) peak: shards stream, so n does not raise it
+
+        "grader": grader,  # what ran the model's code (the `code` task's sandbox layers and limits), else None
     }
 
 

@@ -7,6 +7,7 @@ a crash scores only what is missing.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -109,3 +110,10 @@ def score_resumable(
         bar.set_postfix(acc=f"{sum(r['correct'] for r in wanted) / len(wanted):.2f}")
     bar.close()
     return [done[e.id] for e in examples]
+
+
+def prompt_grades(records: Sequence[dict]) -> list[dict]:
+    """Each record as the line a repository can keep (`redumix grades`): the problem, pass or fail, the reply's
+    length in tokens and a hash of the reply, which says whether two runs replied alike without holding the reply."""
+    return [{"id": r["id"], "correct": r["correct"], "tokens": r["tokens"],
+             "sha256": hashlib.sha256(r["output"].encode()).hexdigest()[:16]} for r in records]

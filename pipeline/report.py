@@ -10,12 +10,15 @@ What training bought is the same paired comparison across checkpoints: each deco
 against itself on the base one (`tuned_vs_base`), so "did distillation help, by how much" is one row.
 
 A task with named sub-scores (`constraints`: one per kind of constraint) gets each one's pass rate per row
-(`sub_scores` in report.json, a table in report.md)."""
+(`sub_scores` in report.json, a table in report.md). A task with blind replies (`constraints`: a template built from
+the constraints alone, and `ok`) gets their pass rates on greedy's examples, graded by the task's own checker: what a
+reply that answers nothing scores, at no model call (`blind_replies` in report.json, a table under the main one)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from redumix.data.task import Example, Task
 from redumix.generate.report_details import ReportDetails
 from redumix.pipeline.decoders import BASELINE, DECODERS, DecoderEntry, family
 from redumix.pipeline.stats import mcnemar_exact_p, newcombe_paired_interval, pareto_front, quantiles, wilson_interval
@@ -65,6 +68,24 @@ def sub_score_rates(records: list[dict]) -> dict[str, dict[str, Any]]:
         for name, verdict in record["sub_scores"].items():
             passed.setdefault(name, []).append(bool(verdict))
     return {name: {"passed": sum(v), "n": len(v), "rate": sum(v) / len(v)} for name, v in sorted(passed.items())}
+
+
+def blind_replies(task: Task, examples: list[Example]) -> list[dict[str, Any]]:
+    """Each of the task's blind replies (`blind_replies(example) -> {name: text}`, optional; none without it) graded
+    with its `is_correct` on `examples`: how many pass, the rate and its 95% Wilson interval."""
+    replies = getattr(task, "blind_replies", None)
+    if replies is None:
+        return []
+    passed: dict[str, list[bool]] = {}
+    for example in examples:
+        for name, text in replies(example).items():
+            passed.setdefault(name, []).append(task.is_correct(text, example))
+    rows = []
+    for name, verdicts in passed.items():
+        right, n = sum(verdicts), len(verdicts)
+        low, high = wilson_interval(right, n)
+        rows.append({"reply": name, "passed": right, "n": n, "accuracy": right / n, "ci_low": low, "ci_high": high})
+    return rows
 
 
 # --- paired comparison with greedy ----------------------------------------------------------------------------------
@@ -162,6 +183,7 @@ def report_markdown(report: dict, table: dict[str, DecoderEntry] = DECODERS) -> 
         )
     if not report["rows"]:
         lines += ["", "No decoder ran: `eval.decoders` (or the checkpoints) left nothing to evaluate."]
+    lines += _blind_replies_markdown(report.get("blind_replies", []))  # reports written before them have none
     lines += _tuned_vs_base_markdown(report.get("tuned_vs_base", []))  # reports written before it have none
     described = []  # (row, its decoder's details line) where the decoder declares details and ran on examples
     for r in report["rows"]:
@@ -204,6 +226,18 @@ def _tuned_vs_base_markdown(rows: list[dict]) -> list[str]:
             f"{100 * r['low']:+.1f} to {100 * r['high']:+.1f} | {r['fixed']} / {r['broken']} | {r['n']} | "
             f"{r['mcnemar_p']:.3g} |"
         )
+    return lines
+
+
+def _blind_replies_markdown(rows: list[dict]) -> list[str]:
+    """The baselines no model wrote: each blind reply's pass rate; nothing when the task gives none."""
+    if not rows:
+        return []
+    lines = ["", "Baselines that answer no request (the task's blind replies, graded by its own checker on greedy's "
+             "examples; no model call):", "", "| reply | accuracy | 95% CI | passed / n |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['reply']} | {r['accuracy']:.1%} | {r['ci_low']:.1%}–{r['ci_high']:.1%} | "
+                     f"{r['passed']} / {r['n']} |")
     return lines
 
 

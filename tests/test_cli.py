@@ -194,3 +194,19 @@ def test_a_stage_is_quiet_about_the_libraries_unless_verbose(tmp_path):
         assert noise not in quiet, noise
     shutil.rmtree(run_dir / "train")
     assert "Loading weights" in train("-v")  # (the datasets' maps are cached by now, so they make no bar)
+
+
+def test_grades_keep_each_prompts_verdict_and_a_hash_of_its_reply(tmp_path, capsys):
+    generations = tmp_path / "eval" / "generations"
+    generations.mkdir(parents=True)
+    records = [{"id": "mbpp-11", "model": "abc:greedy", "output": "def f(): return 1", "correct": True, "tokens": 7},
+               {"id": "mbpp-12", "model": "abc:greedy", "output": "oops", "correct": False, "tokens": 2}]
+    (generations / "base--greedy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["grades", str(tmp_path / "eval"), str(tmp_path / "records")]) == 0
+    lines = [json.loads(line) for line in (tmp_path / "records" / "base--greedy.jsonl").read_text().splitlines()]
+    assert [(g["id"], g["correct"], g["tokens"]) for g in lines] == [("mbpp-11", True, 7), ("mbpp-12", False, 2)]
+    assert lines[0]["sha256"] != lines[1]["sha256"] and "output" not in lines[0]
+    index = json.loads((tmp_path / "records" / "index.json").read_text())
+    assert index == {"base--greedy.jsonl": {"model": ["abc:greedy"], "n": 2, "accuracy": 0.5}}
+    assert main(["grades", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
+    assert "no records; run `redumix eval` first" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from redumix.data.code import (
     load_humaneval,
     load_mbpp,
 )
+from redumix.data.sandbox import isolation
 from redumix.data.task import Example
 from redumix.data.tasks import TASKS, TaskConfig, make_task
 
@@ -199,3 +200,21 @@ def test_grader_check_every_reference_passes_but_the_three_known():
     humaneval = task.examples("test", None)
     solutions = task.solutions("test", 164)
     assert all(o.passed for o in task.grade_many([solutions[e.id] for e in humaneval], humaneval))
+
+
+def test_the_grader_names_the_sandbox_layers_and_limits_for_the_manifest():
+    grader = CodeTask(CodeConfig(timeout_s=3.0, memory_mb=512)).grader()
+    assert grader["sandbox"] == isolation()
+    assert grader["limits"]["timeout_s"] == 3.0 and grader["limits"]["memory_mb"] == 512
+    json.dumps(grader)  # it goes into manifest.json and report.json as it is
+
+
+def test_the_answer_is_the_code_without_comments_or_blank_lines():
+    task = CodeTask(QUICK)
+    plain = "```python\ndef f(x):\n    return x + 1\n```"
+    commented = "Here:\n```python\n# add one\ndef f(x):  # the function\n\n    return x + 1   \n```\nDone."
+    assert task.answer(plain) == task.answer(commented) == "def f(x):\n    return x + 1"
+    assert task.answer("```python\ns = '# not a comment'\n```") == "s = '# not a comment'"
+    assert task.answer("```python\n# only a comment\n```") is None
+    assert task.answer("```python\ndef f(:\n  # note\n    return 1\n```") == "def f(:\n    return 1"  # no tokens
+    assert task.answer(plain) != task.answer(plain.replace("+ 1", "+ 2"))

@@ -49,10 +49,12 @@ def test_the_mbpp_recipe_runs_harvest_train_and_eval(tmp_path):
         assert row["feedback"] == task.feedback(row["original"], example)  # the sandbox's words, in x2
         assert row["original_correct"] == task.is_correct(row["original"], example)
         assert len(row["mix_topk_ids"]) == len(row["redo_token_ids"]) > 0
+    assert json.loads((run.harvest / "manifest.json").read_text())["grader"] == task.grader()
     trained = run_train(config, run)
     assert trained["steps"] == 2 and math.isfinite(trained["final_loss"])
     run_eval(config, run)
     report = json.loads((run.eval / "report.json").read_text())
+    assert report["grader"] == task.grader()
     assert {(r["checkpoint"], r["decoder"]) for r in report["rows"]} == {
         ("base", "greedy"), ("base", "redumix-oracle"), ("tuned", "greedy")}
     for record in map(json.loads, (run.eval / "generations" / "base--greedy.jsonl").read_text().splitlines()):

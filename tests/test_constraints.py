@@ -4,20 +4,25 @@ those, the pass rate per kind in eval's report, and its recipe run unchanged on 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
 import yaml
 
+from redumix.data.arith import ArithConfig, ArithTask
 from redumix.data.constraints import (
     KINDS,
+    TOPICS,
     Constraint,
     ConstraintsConfig,
     ConstraintsTask,
     Problem,
     constraint_problems,
     contradiction,
+    held_out_requests,
+    template_reply,
     words,
 )
 from redumix.data.shards import iter_rows, shard_paths
@@ -28,7 +33,7 @@ from redumix.pipeline.config import load_config
 from redumix.pipeline.eval import run_eval
 from redumix.pipeline.harvest import run_harvest
 from redumix.pipeline.records import read_records, records_path
-from redumix.pipeline.report import report_markdown, summarize
+from redumix.pipeline.report import blind_replies, report_markdown, summarize
 from redumix.pipeline.resolve import ConfigError
 from redumix.pipeline.run import RunDir
 
@@ -126,6 +131,45 @@ def test_train_and_test_split_by_a_stable_hash_of_the_canonical_problem():
     problem = train[next(i for i, p in enumerate(train) if len(p.constraints) > 1)]
     swapped = Problem(problem.topic, problem.constraints[::-1])
     assert swapped.key == problem.key and swapped.bucket == problem.bucket and swapped.text() != problem.text()
+
+
+def test_by_default_the_prompts_are_those_drawn_before_holdout_requests_existed():
+    """Pinned from the code before `holdout_requests`: 0 draws the same problems, bit for bit."""
+    task = ConstraintsTask(ConstraintsConfig(), seed=0)
+    digests = {"train": "9f89f8754efe527c95eab0ee361f8c12319076ac79a572b155a98a6594c72790",
+               "test": "20bd4b531f282a5df2827d8e87872d05883031ecdbaf0caff36b28e0f1075ca3"}
+    for split, digest in digests.items():
+        found = [(e.id, e.prompt, e.reference) for e in task.examples(split, 300)]
+        assert hashlib.sha256(json.dumps(found).encode()).hexdigest() == digest, split
+    first = task.examples("train", 2)
+    assert first[0].prompt == ("Explain why bicycles are good for cities. Answer in at least 24 words. Your entire "
+                               "answer must be in lowercase letters, with no capital letters at all.")
+    assert json.loads(first[1].reference) == [{"kind": "end_with", "value": "Is there anything else I can help with?"},
+                                              {"kind": "title"}, {"kind": "no_commas"}]
+
+
+def test_holdout_requests_keeps_whole_requests_for_the_test_split():
+    config = ConstraintsConfig(holdout_requests=4)
+    held = held_out_requests(4)
+    assert len(held) == 4 and held <= set(TOPICS) and held_out_requests(4) == held < held_out_requests(5)
+    train = constraint_problems(config, "train", 600, seed=0)
+    test = constraint_problems(config, "test", 200, seed=0)
+    assert not {p.topic for p in train} & {p.topic for p in test}
+    assert {p.topic for p in test} == held and not {p.topic for p in train} & held
+    assert not {p.key for p in train} & {p.key for p in test}
+    assert {p.bucket for p in test} == set(range(BUCKETS))  # the request decides, not the bucket
+    assert all(not contradiction(p.constraints) for p in train + test)
+
+
+def test_holdout_requests_is_checked_by_key_and_joins_the_fingerprint_only_when_set():
+    for value in (-1, len(TOPICS)):
+        with pytest.raises(ConfigError) as info:
+            load_config(RECIPE, [f"task.constraints.holdout_requests={value}"])
+        assert "'task.constraints.holdout_requests'" in str(info.value) and "fewer than the 40 requests" in str(
+            info.value)
+    default, held = load_config(RECIPE), load_config(RECIPE, ["task.constraints.holdout_requests=3"])
+    assert "holdout_requests" not in task_record(default.task)["settings"]  # old runs keep their fingerprints
+    assert task_record(held.task)["settings"]["holdout_requests"] == 3
 
 
 def test_the_settings_decide_the_kinds_and_their_numbers():
@@ -286,6 +330,47 @@ def test_the_report_gives_the_pass_rate_per_kind():
         {"task": "arith", "split": "test", "rows": [plain], "diagnostics": {}})
 
 
+def test_the_template_reply_reads_only_the_constraints_and_meets_every_kind_but_min_words():
+    task = ConstraintsTask(ConstraintsConfig(), seed=0)
+    examples = task.examples("test", 300)
+    for e in examples:
+        reply = template_reply(e)
+        other = Example(e.id, e.task, "Describe a night sky full of stars." + e.prompt.split(".", 1)[1], e.reference)
+        assert template_reply(other) == reply  # the request is never read
+        assert task.is_correct(reply, e) == ("min_words" not in e.reference)
+        assert len(words(reply)) <= 17  # the longest phrase, the longest opening and 5 bullets
+    assert sorted(len(words(template_reply(e))) for e in examples)[150] <= 2
+    assert template_reply(example(Constraint("uppercase"), Constraint("title"),
+                                  Constraint("include_words", ("blue",)))) == "<<DONE>> BLUE"
+    assert template_reply(example(Constraint("json"), Constraint("no_commas"))) == '["done"]'
+    framed = example(Constraint("start_with", "Dear friend"), Constraint("bullets", 2),
+                     Constraint("end_with", "That is all."))
+    assert template_reply(framed) == "Dear friend\n* done\n* done\nThat is all."
+
+
+def test_the_report_gives_the_blind_replies_as_baselines_for_constraints_only():
+    task = ConstraintsTask(ConstraintsConfig(), seed=0)
+    examples = task.examples("test", 300)
+    rows = {r["reply"]: r for r in blind_replies(task, examples)}
+    # Counted here without the checker: the template fails only min_words; "ok" (lowercase, one word, no comma)
+    # passes when every constraint is one it cannot break.
+    template = sum("min_words" not in e.reference for e in examples)
+    harmless = {("lowercase", None), ("max_words", None), ("avoid_words", None), ("no_commas", None)}
+    ok = sum(all((s["kind"], None) in harmless or (s["kind"] == "avoid_letter" and s["value"] not in "ok")
+                 for s in json.loads(e.reference)) for e in examples)
+    assert (rows["template reply (no topic)"]["passed"], rows["`ok` alone"]["passed"]) == (template, ok) == (254, 52)
+    row = rows["template reply (no topic)"]
+    assert row["n"] == 300 and row["accuracy"] == 254 / 300 and row["ci_low"] < 254 / 300 < row["ci_high"]
+    markdown = report_markdown({"task": "constraints", "split": "test", "rows": [], "diagnostics": {},
+                                "blind_replies": list(rows.values())})
+    assert f"| template reply (no topic) | 84.7% | {row['ci_low']:.1%}–{row['ci_high']:.1%} | 254 / 300 |" in markdown
+    # A task without blind replies (arith) gets no row and no table.
+    arith = ArithTask(ArithConfig(), seed=0)
+    assert blind_replies(arith, arith.examples("test", 20)) == []
+    assert "answer no request" not in report_markdown(
+        {"task": "arith", "split": "test", "rows": [], "diagnostics": {}, "blind_replies": []})
+
+
 # --- the recipe on any chat model -----------------------------------------------------------------------------------
 
 
@@ -334,3 +419,6 @@ def test_the_recipe_runs_unchanged_on_tiny_qwen2_and_llama(arch, tmp_path, tiny_
         kinds = [c["kind"] for r in records for c in json.loads(r["reference"])]
         assert sum(s["n"] for s in row["sub_scores"].values()) == len(kinds)
     assert "Pass rate per sub-score" in (run.eval / "report.md").read_text()
+    blind = {r["reply"]: r["passed"] for r in report["blind_replies"]}  # greedy's 3 examples, no model call
+    assert blind == {"template reply (no topic)": sum(task.is_correct(template_reply(e), e) for e in test.values()),
+                     "`ok` alone": sum(task.is_correct("ok", e) for e in test.values())}

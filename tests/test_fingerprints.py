@@ -46,11 +46,20 @@ def _pick(section, names) -> dict:
     return {name: getattr(section, name) for name in names}
 
 
+_ADDED_SINCE_V0 = {"constraints": ("holdout_requests",)}  # a task's keys that version 0 files never held
+
+
+def v0_section(config, name: str) -> dict:
+    """`asdict` of a task's section as version 0 wrote it: without the keys added since."""
+    section = dataclasses.asdict(getattr(config.task, name))
+    return {key: value for key, value in section.items() if key not in _ADDED_SINCE_V0.get(name, ())}
+
+
 def v0_task(config) -> dict:
     flat = {"name": config.task.name, "path": config.task.gsm8k.path, "prompt_suffix": config.task.prompt_suffix,
             **_pick(config.task.arith, _ARITH_V0)}
     if config.task.name not in ("arith", "gsm8k"):
-        flat[config.task.name] = dataclasses.asdict(getattr(config.task, config.task.name))
+        flat[config.task.name] = v0_section(config, config.task.name)
     return flat
 
 
@@ -310,8 +319,8 @@ def v0_task_asdict(config, with_code: bool) -> dict:
     """`asdict(config.task)` as it was: name, prompt_suffix and every task's section of the time (code's from
     f6d9632 on)."""
     task = {"name": config.task.name, "prompt_suffix": config.task.prompt_suffix,
-            **{name: dataclasses.asdict(getattr(config.task, name)) for name in ("arith", "gsm8k", "constraints")}}
-    return task | ({"code": dataclasses.asdict(config.task.code)} if with_code else {})
+            **{name: v0_section(config, name) for name in ("arith", "gsm8k", "constraints")}}
+    return task | ({"code": v0_section(config, "code")} if with_code else {})
 
 
 def v0_model_asdict(config) -> dict:
