@@ -1,12 +1,18 @@
 """The checkers of `constraints` (data/constraints.py): how a text is read (words, whole words, bullets) and one
 check per kind of constraint, each returning None when the text obeys, else the verifier's sentence naming what it
-found ("The answer has 31 words, but the instruction asks for at most 20.")."""
+found ("The answer has 31 words, but the instruction asks for at most 20.").
+
+**A blind reply** (`template_reply`) is built from the constraints alone, never the request: the phrases to start
+and end with, a title, the words to include, the bullets, each filled with one word, in the case asked for, wrapped
+in JSON when asked. It meets every kind but `min_words` without answering anything; eval's report gives its pass
+rate (and that of `ok` alone) on the test examples as a baseline (`ConstraintsTask.blind_replies`)."""
 
 from __future__ import annotations
 
 import json
 import re
 import string
+from typing import Any
 
 TITLE_EXAMPLE = "<<a quiet morning>>"  # the instruction shows it, and the feedback quotes it
 
@@ -158,3 +164,14 @@ def check_title(_: None, text: str) -> str | None:
         return None
     return (f"The answer has no title in double angular brackets, such as {TITLE_EXAMPLE}, but the instruction asks "
             "for one.")
+
+
+def template_reply(values: dict[str, Any]) -> str:
+    """The blind reply to constraints given as {kind: value}: the words its phrases, title, included words and
+    bullets force, or one word when nothing does."""
+    head = [values.get("start_with", ""), "<<done>>" if "title" in values else "", *values.get("include_words", ())]
+    lines = [" ".join(piece for piece in head if piece), *["* done"] * values.get("bullets", 0),
+             values.get("end_with", "")]
+    text = "\n".join(line for line in lines if line) or "done"
+    text = text.lower() if "lowercase" in values else text.upper() if "uppercase" in values else text
+    return json.dumps([text]) if "json" in values else text

@@ -44,11 +44,6 @@ Both splits use every request; a problem (request and constraints) is in one spl
 `holdout_requests` N > 0 the request alone decides: the N requests whose text hashes first (`held_out_requests`)
 are the test split's, in every bucket, and the train split never draws them.
 
-**A blind reply** (`template_reply`) is built from the constraints alone, never the request: the phrases to start
-and end with, a title, the words to include, the bullets, each filled with one word, in the case asked for, wrapped
-in JSON when asked. It meets every kind but `min_words` without answering anything; eval's report gives its pass
-rate (and that of `ok` alone) on the test examples as a baseline (`blind_replies`).
-
 **No contradictions.** `contradiction` names why a set of constraints could not all hold (lowercase with uppercase,
 a word to include or a phrase to write that holds a banned letter or a banned word or, under `no_commas`, a comma,
 JSON with a phrase to start or end with or with bullet points, at least M words with at most N < M, or more words
@@ -82,6 +77,7 @@ from redumix.data.constraint_checks import (
     check_title,
     check_uppercase,
     has_word,
+    template_reply,
     words,
 )
 from redumix.data.splits import BUCKETS, bucket, distinct_problems, split_buckets
@@ -325,10 +321,8 @@ def held_out_requests(count: int) -> frozenset[str]:
 def problems_in_split(config: ConstraintsConfig, split: Split, seed: int) -> Iterator[Problem]:
     """An endless, seeded stream of distinct problems with no contradiction whose canonical form hashes into the
     split's buckets; with `holdout_requests`, those of the split's requests instead, in every bucket."""
-    buckets = split_buckets("constraints", split, SPLIT_BUCKETS)
     held = held_out_requests(config.holdout_requests)
-    if held:
-        buckets = set(range(BUCKETS))
+    buckets = set(range(BUCKETS)) if held else split_buckets("constraints", split, SPLIT_BUCKETS)
 
     def keep(problem: Problem) -> bool:
         return not contradiction(problem.constraints) and (not held or (problem.topic in held) == (split == "test"))
@@ -348,17 +342,6 @@ def constraint_problems(config: ConstraintsConfig, split: Split, n: int, seed: i
 
 def constraints_of(example: Example) -> list[Constraint]:
     return [Constraint.from_spec(spec) for spec in json.loads(example.reference)]
-
-
-def template_reply(example: Example) -> str:
-    """A reply that addresses no request, built from the example's constraints alone (the module's "A blind reply"):
-    the words its phrases, title, included words and bullets force, or one word when nothing does."""
-    by = {c.kind: c.value for c in constraints_of(example)}
-    head = [by.get("start_with", ""), "<<done>>" if "title" in by else "", *by.get("include_words", ())]
-    lines = [" ".join(piece for piece in head if piece), *["* done"] * by.get("bullets", 0), by.get("end_with", "")]
-    text = "\n".join(line for line in lines if line) or "done"
-    text = text.lower() if "lowercase" in by else text.upper() if "uppercase" in by else text
-    return json.dumps([text]) if "json" in by else text
 
 
 def failures(text: str, example: Example) -> dict[str, str | None]:
@@ -404,8 +387,10 @@ class ConstraintsTask:
 
     @staticmethod
     def blind_replies(example: Example) -> dict[str, str]:
-        """Replies that answer no request, by name: eval's report grades them on its test examples as baselines."""
-        return {"template reply (no topic)": template_reply(example), "`ok` alone": "ok"}
+        """Replies that answer no request, by name (constraint_checks.template_reply): eval's report grades them on its
+        test examples as baselines."""
+        values = {c.kind: c.value for c in constraints_of(example)}
+        return {"template reply (no topic)": template_reply(values), "`ok` alone": "ok"}
 
     @staticmethod
     def feedback(text: str, example: Example) -> str:

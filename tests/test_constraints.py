@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from redumix.data.arith import ArithConfig, ArithTask
+from redumix.data.constraint_checks import template_reply as template_for
 from redumix.data.constraints import (
     KINDS,
     TOPICS,
@@ -20,9 +21,9 @@ from redumix.data.constraints import (
     ConstraintsTask,
     Problem,
     constraint_problems,
+    constraints_of,
     contradiction,
     held_out_requests,
-    template_reply,
     words,
 )
 from redumix.data.shards import iter_rows, shard_paths
@@ -328,6 +329,10 @@ def test_the_report_gives_the_pass_rate_per_kind():
     assert "sub_scores" not in plain
     assert "Pass rate per sub-score" not in report_markdown(
         {"task": "arith", "split": "test", "rows": [plain], "diagnostics": {}})
+
+
+def template_reply(example: Example) -> str:
+    return template_for({c.kind: c.value for c in constraints_of(example)})
 
 
 def test_the_template_reply_reads_only_the_constraints_and_meets_every_kind_but_min_words():
