@@ -20,7 +20,7 @@ the constraints alone, and `ok`), which eval's report grades on greedy's example
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 Split = Literal["train", "test"]
 
@@ -54,3 +54,8 @@ class Task(Protocol):
         """The reference working of the first n examples of a split, by id (the gold-SFT control trains on it)."""
         ...
 
+
+def grader_of(task: Task) -> dict[str, Any] | None:
+    """What graded a task's replies (`grader()`, optional: the `code` task's sandbox layers and limits), else None."""
+    grader = getattr(task, "grader", None)
+    return grader() if grader is not None else None

@@ -24,7 +24,7 @@ from pathlib import Path
 from redumix.common.files import atomic_write_json, atomic_write_jsonl, atomic_write_text, log_metrics, read_json
 from redumix.common.fingerprints import fingerprint as fingerprint_of
 from redumix.common.ranks import barrier, init_distributed, peak_rss_mb, print0, rank, world_size
-from redumix.data.task import Task
+from redumix.data.task import Task, grader_of
 from redumix.data.tasks import make_task
 from redumix.generate.decoder import fingerprint
 from redumix.generate.engine import Engine
@@ -98,7 +98,7 @@ def run_eval(
               "rows": rows, "tuned_vs_base": tuned_vs_base(every_record, base=config.eval.base_label),
               "blind_replies": blind_replies(task, examples[: config.eval.n]),  # greedy's examples, no model call
               "diagnostics": diagnostics, "peak_rss_mb": peak_rss_mb(),
-              "grader": task.grader() if hasattr(task, "grader") else None}  # what ran the model's code
+              "grader": grader_of(task)}  # what ran the model's code
     # The report first, whole (report.json, the completion marker, after its Markdown), then the plot drawn from it:
     # a plot that fails is a warning, and a rerun after a stop between the two draws the plot (missing, or older
     # than the report).

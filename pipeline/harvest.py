@@ -30,7 +30,7 @@ from redumix.data.shards import (
     readable_rows,
     shard_name,
 )
-from redumix.data.task import Example, Task
+from redumix.data.task import Example, Task, grader_of
 from redumix.data.tasks import make_task
 from redumix.generate.redumix import FeedbackFn, RedumixResult, redumix_generate, task_feedback
 from redumix.pipeline.config import Config
@@ -106,8 +106,7 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
         harvest_shards(config, run, task, examples, todo, writes=rank() % ranks_per_group == 0)
     barrier()
     if rank() == 0:
-        grader = task.grader() if hasattr(task, "grader") else None
-        manifest = harvest_manifest(config, out, n_shards, fingerprint, grader)
+        manifest = harvest_manifest(config, out, n_shards, fingerprint, grader_of(task))
         atomic_write_json(manifest_path, manifest)  # last: its presence means the stage is complete
         log_metrics(run.metrics, "harvest", **{k: v for k, v in manifest.items() if isinstance(v, (int, float))})
         print0(format_summary(manifest))

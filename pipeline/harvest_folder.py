@@ -263,7 +263,6 @@ def harvest_manifest(config: Config, out: Path, n_shards: int, fingerprint: str,
         "retried_pairs": retried,
         "vllm_version": vllm_version() if "vllm" in engines else None,
         "peak_rss_mb": peak_rss_mb(),  # this process's (rank 0's) peak: shards stream, so n does not raise it
-
         "grader": grader,  # what ran the model's code (the `code` task's sandbox layers and limits), else None
     }
 
