@@ -134,6 +134,9 @@ class RoundsConfig:
             raise ValueError("; ".join(problems))
 
 
+LADDER_FEEDBACK = ("verifier", "reference", "none", "random")
+
+
 @dataclass
 class LadderConfig:
     """`redumix ladder` (pipeline/studies/ladder.py): does a redo after feedback beat a second sample, on train
@@ -144,7 +147,13 @@ class LadderConfig:
     batch_size: int = field(default=16, metadata={"help": "Problems decoded together."})
     lams: list[float] = field(
         default_factory=lambda: [0.5, 0.0],
-        metadata={"help": "λ of the redos after the verifier's feedback (λ=1 would be the resample arm)."},
+        metadata={"help": "λ of the redos after the feedback (λ=1 would be the resample arm)."},
+    )
+    feedback: str = field(
+        default="verifier",
+        metadata={"help": "The feedback of the redo arms, named `{feedback}@λ`: `verifier` (the task's checker; on "
+                  "code the failing test), `reference` (privileged: on code the checker's feedback and the reference "
+                  "solution, train problems only), or the controls `none` and `random` (a coin-flip verdict)."},
     )
     self_critique: bool = field(default=True, metadata={"help": "Also redo after the model's own critique, at "
                                                                   "redumix.lam."})
@@ -163,6 +172,9 @@ class LadderConfig:
             problems.append(f"lams must list λ values in [0, 1], got {self.lams}")
         if self.resamples < 1:
             problems.append(f"resamples must be >= 1, got {self.resamples}")
+        if self.feedback not in LADDER_FEEDBACK:
+            problems.append(f"feedback must be one of {', '.join(LADDER_FEEDBACK)}, got {self.feedback!r} (the "
+                            "self-critique arm is ladder.self_critique)")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from redumix.common.files import atomic_write_jsonl
+from redumix.data.tasks import make_task
 from redumix.pipeline.config import load_config
 from redumix.pipeline.run import RunDir
 from redumix.pipeline.studies.ladder import RESAMPLE, run_ladder, summarize_ladder
 
+MBPP = Path(__file__).resolve().parents[2] / "shared" / "data" / "mbpp" / "mbpp.jsonl"  # where task.code reads it
 SMALL = ["ladder.n=6", "ladder.batch_size=6", "sampling.max_new_tokens=32", "redumix.reflection_max_tokens=16"]
 
 
-def _records(folder) -> list[dict]:
-    return [json.loads(line) for line in (folder / "ladder" / "records.jsonl").read_text().splitlines()]
+def _records(folder, name: str = "records.jsonl") -> list[dict]:
+    return [json.loads(line) for line in (folder / "ladder" / name).read_text().splitlines()]
 
 
 def test_greedy_ladder_arms_and_counts(tmp_path):
@@ -38,6 +41,11 @@ def test_greedy_ladder_arms_and_counts(tmp_path):
         assert correct == right + arm["fixed"] - arm["broken"]
     assert summary["arms"]["verifier@1"]["repeats"] == 1.0 and summary["arms"]["verifier@1"]["fixed"] == 0
     assert "| verifier@0 |" in (tmp_path / "ladder" / "ladder.md").read_text()
+    # the committed grades (no reply text) give the same table
+    grades = _records(tmp_path, "grades.jsonl")
+    assert "text" in records[0]["attempt"] and all(len(g["attempt"]["text"]) == 16 for g in grades)
+    again = json.loads(json.dumps(summarize_ladder(grades, list(summary["arms"]))))
+    assert again == {k: v for k, v in summary.items() if k != "settings"}
 
 
 def test_ladder_resumes_and_refuses_other_settings(tmp_path):
@@ -78,6 +86,24 @@ def test_a_finished_vllm_ladder_is_summarized_without_an_engine(tmp_path, monkey
     assert "| verifier@0 |" in (tmp_path / "ladder" / "ladder.md").read_text()
     with pytest.raises(AssertionError, match="built an engine"):  # one more problem is work: it needs the engine
         run_ladder(load_config("tiny", [*SMALL, "engine=vllm", "ladder.n=7"]), RunDir(tmp_path))
+
+
+@pytest.mark.skipif(not MBPP.is_file(), reason=f"MBPP is read from {MBPP}, which is absent")
+def test_reference_feedback_redoes_with_the_solution_in_x2(tmp_path, tiny_model_dir):
+    config = load_config("tiny", [*SMALL, f"model.path={tiny_model_dir}", "task.name=code", "ladder.n=2",
+                                  "ladder.feedback=reference", "ladder.self_critique=false", "ladder.lams=[0.0]"])
+    run_ladder(config, RunDir(tmp_path))
+    task_solutions = make_task(config.task, config.seed).solutions("train", 2)
+    for r in _records(tmp_path):
+        assert set(r["arms"]) == {RESAMPLE, "reference@0"}
+        assert task_solutions[r["id"]].strip("`\npython") in r["feedback"]  # the privileged context, shown in x2
+    settings = json.loads((tmp_path / "ladder" / "settings.json").read_text())["record"]
+    assert settings["ladder"]["feedback"] == "reference"  # records of one kind of feedback are not resumed as another
+    with pytest.raises(ValueError, match=r"ladder\.feedback: .*reference"):
+        run_ladder(load_config("tiny", [*SMALL, f"model.path={tiny_model_dir}", "task.name=code", "ladder.n=2",
+                                        "ladder.self_critique=false", "ladder.lams=[0.0]"]), RunDir(tmp_path))
+    with pytest.raises(ValueError, match="self-critique arm is ladder.self_critique"):
+        load_config("tiny", ["ladder.feedback=self"])
 
 
 def test_sampled_resample_is_a_second_draw(tmp_path):

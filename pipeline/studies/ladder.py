@@ -4,17 +4,20 @@ A retry that fixes nothing beyond what resampling fixes brings nothing, so every
 independent sample of the same model from x alone at the redo's temperature (the `resample` arm; with a greedy redo
 it is the attempt again). The redo's levers are the harvest's keys (`redumix.instruction`,
 `redumix.redo_temperature`), so the protocol a ladder chooses is the one a recipe freezes. Per problem, on one
-cache: a greedy attempt (`sampling`), the verifier's feedback, one reflection, then one redo per λ in `ladder.lams`
-from clones of the two contexts; with `ladder.self_critique`, the same again with the model's own critique as the
+cache: a greedy attempt (`sampling`), the feedback (`ladder.feedback`: the verifier's, or on code the reference
+solution shown as privileged feedback), one reflection, then one redo per λ in `ladder.lams` from clones of the two
+contexts; with `ladder.self_critique`, the same again with the model's own critique as the
 feedback, at `redumix.lam`. With `ladder.resamples` k > 1, k independent second tries (k attempts per problem), and
 the table sets each redo with one resample (keep the one the verifier passes) against two resamples, at equal
 samples. Records go to RUN_DIR/ladder/ after every batch (a rerun resumes, a larger `ladder.n` adds problems and a
-larger `ladder.resamples` samples); the table, with paired intervals, to ladder.md and summary.json.
+larger `ladder.resamples` samples); the table, with paired intervals, to ladder.md and summary.json, and the per-problem
+grades it is computed from (no reply text) to grades.jsonl, the file to commit.
 docs/real-models.md holds the ladder over real models that this measures.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterable, Sequence
 
@@ -47,10 +50,14 @@ def resample_names(count: int) -> list[str]:
 
 
 def arm_names(config: Config) -> list[str]:
-    """The arms, baselines first: the resamples, `verifier@λ` per λ, `self@λ` for the self-critique at
-    redumix.lam."""
-    names = [*resample_names(config.ladder.resamples), *(f"verifier@{lam:g}" for lam in config.ladder.lams)]
+    """The arms, baselines first: the resamples, `{ladder.feedback}@λ` per λ (`verifier@0.5`, `reference@0`),
+    `self@λ` for the self-critique at redumix.lam."""
+    names = [*resample_names(config.ladder.resamples), *redo_arms(config)]
     return names + ([f"self@{config.redumix.lam:g}"] if config.ladder.self_critique else [])
+
+
+def redo_arms(config: Config) -> list[str]:
+    return [f"{config.ladder.feedback}@{lam:g}" for lam in config.ladder.lams]
 
 
 def run_ladder(config: Config, run: RunDir) -> None:
@@ -96,6 +103,7 @@ def run_ladder(config: Config, run: RunDir) -> None:
     summary = summarize_ladder(rows, arm_names(config))
     summary["settings"] = ladder_record(config)
     atomic_write_json(out / "summary.json", summary)
+    atomic_write_jsonl(out / "grades.jsonl", ladder_grades(rows))
     table = ladder_table(summary)
     atomic_write_text(out / "ladder.md", table)
     print0(table)
@@ -142,8 +150,8 @@ def ladder_batch(engine: Engine, task: Task, batch: Sequence[Example], config: C
     """One record per problem: the attempt, its feedback and reflection, and every arm's answer, graded."""
     ladder = config.ladder
     prompts, ids = [e.prompt for e in batch], [e.id for e in batch]
-    stages, verifier = redos(engine, config, prompts, ids, task_feedback("verifier", task, batch, config.seed),
-                             ladder.lams)
+    stages, redone = redos(engine, config, prompts, ids, task_feedback(ladder.feedback, task, batch, config.seed),
+                           ladder.lams)
     if redo_policy(config.redumix, config.sampling).greedy:  # a second greedy try is the attempt itself
         second = {RESAMPLE: [(t, len(a.token_ids)) for t, a in zip(stages.y1_text, stages.attempts, strict=True)]}
     else:
@@ -153,7 +161,8 @@ def ladder_batch(engine: Engine, task: Task, batch: Sequence[Example], config: C
     records = []
     for i, example in enumerate(batch):
         arms = {name: graded(task, texts[i], example) for name, texts in second.items()}
-        arms |= {f"verifier@{lam:g}": graded(task, verifier[lam][i], example) for lam in ladder.lams}
+        arms |= {name: graded(task, redone[lam][i], example) for name, lam in zip(redo_arms(config), ladder.lams,
+                                                                                 strict=True)}
         attempt = (stages.y1_text[i], len(stages.attempts[i].token_ids))
         record = {"id": example.id, "attempt": graded(task, attempt, example),
                   "feedback": stages.r_text[i], "reflection": stages.c_text[i]}
@@ -178,6 +187,23 @@ def add_resamples(engine: Engine, task: Task, batch: Sequence[Example], records:
 def graded(task: Task, text_and_tokens: tuple[str, int], example: Example) -> dict:
     text, tokens = text_and_tokens
     return {"text": text, "answer": task.answer(text), "correct": task.is_correct(text, example), "tokens": tokens}
+
+
+def ladder_grades(records: Sequence[dict]) -> list[dict]:
+    """Each record as the line a repository can keep (docs/records/): per problem, the attempt's and every arm's pass
+    or fail, token count, and hashes of the answer and the text. That is all `summarize_ladder` reads, so the table
+    is recomputed from these lines alone, without the replies."""
+    def line(graded: dict) -> dict:
+        answer = graded["answer"]
+        return {"correct": graded["correct"], "tokens": graded["tokens"],
+                "answer": None if answer is None else _digest(answer), "text": _digest(graded["text"].strip())}
+
+    return [{"id": r["id"], "attempt": line(r["attempt"]), "arms": {name: line(arm) for name, arm in r["arms"].items()}}
+            for r in records]
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _repeats(arm: dict, attempt: dict) -> bool:
@@ -281,9 +307,10 @@ def ladder_record(config: Config) -> dict:
     """What fixes a record, in the record's own names (common/fingerprints.py): the seed, the task, the model's path
     and dtype, `sampling`, the redumix keys the ladder reads (the reflection's length, the redo's instruction and
     effective temperature; λ and the critique's length for the self-critique arm alone) and its levers, and the engine,
-    since a ladder's records come from one engine. Not `redumix.feedback` or `feedback_file` (the ladder sets the
-    verifier and the self-critique itself), `redumix.topk` (the redo's texts draw from p_mix whole), the device,
-    compile_decoding or the batch sizes, nor n, skip or the number of resamples, which only add to the records."""
+    since a ladder's records come from one engine. Not `redumix.feedback` or `feedback_file` (the ladder sets its
+    feedback, `ladder.feedback`, and the self-critique itself), `redumix.topk` (the redo's texts draw from p_mix whole), the device,
+    compile_decoding or the batch sizes, nor n, skip or the number of resamples, which only add to the records.
+    `ladder.feedback` is recorded when it is not the verifier, so the records made before the key stand."""
     sampling, redumix, ladder = config.sampling, config.redumix, config.ladder
     critique = ladder.self_critique
     return {"seed": config.seed, "task": task_record(config.task),
@@ -294,5 +321,6 @@ def ladder_record(config: Config) -> dict:
                         "redo_temperature": redo_policy(redumix, sampling).temperature,
                         "lam": redumix.lam if critique else None,
                         "critique_max_tokens": redumix.critique_max_tokens if critique else None},
-            "ladder": {"lams": list(ladder.lams), "self_critique": critique},
+            "ladder": {"lams": list(ladder.lams), "self_critique": critique,
+                       **({"feedback": ladder.feedback} if ladder.feedback != "verifier" else {})},
             "engine": config.engine}
