@@ -41,6 +41,10 @@ def test_greedy_ladder_arms_and_counts(tmp_path):
         assert correct == right + arm["fixed"] - arm["broken"]
     assert summary["arms"]["verifier@1"]["repeats"] == 1.0 and summary["arms"]["verifier@1"]["fixed"] == 0
     assert "| verifier@0 |" in (tmp_path / "ladder" / "ladder.md").read_text()
+    examples = (tmp_path / "ladder" / "examples.md").read_text()
+    repeat = summary["arms"]["verifier@0"]["examples"]["repeat_on_wrong"]
+    assert "## verifier@0" in examples and "## self@0.5" in examples and "## resample" not in examples
+    assert f"### a repeat of a wrong attempt: {repeat[0] if repeat else 'none'}" in examples
     # the committed grades (no reply text) give the same table
     grades = _records(tmp_path, "grades.jsonl")
     assert "text" in records[0]["attempt"] and all(len(g["attempt"]["text"]) == 16 for g in grades)

@@ -10,8 +10,9 @@ contexts; with `ladder.self_critique`, the same again with the model's own criti
 feedback, at `redumix.lam`. With `ladder.resamples` k > 1, k independent second tries (k attempts per problem), and
 the table sets each redo with one resample (keep the one the verifier passes) against two resamples, at equal
 samples. Records go to RUN_DIR/ladder/ after every batch (a rerun resumes, a larger `ladder.n` adds problems and a
-larger `ladder.resamples` samples); the table, with paired intervals, to ladder.md and summary.json, and the per-problem
-grades it is computed from (no reply text) to grades.jsonl, the file to commit.
+larger `ladder.resamples` samples); the table, with paired intervals, to ladder.md and summary.json, a repair, a repeat
+and a break of each arm to examples.md, and the per-problem grades the table is computed from (no reply text) to
+grades.jsonl, the file to commit.
 docs/real-models.md holds the ladder over real models that this measures.
 """
 
@@ -104,6 +105,7 @@ def run_ladder(config: Config, run: RunDir) -> None:
     summary["settings"] = ladder_record(config)
     atomic_write_json(out / "summary.json", summary)
     atomic_write_jsonl(out / "grades.jsonl", ladder_grades(rows))
+    atomic_write_text(out / "examples.md", ladder_examples(rows, summary))
     table = ladder_table(summary)
     atomic_write_text(out / "ladder.md", table)
     print0(table)
@@ -198,8 +200,8 @@ def ladder_grades(records: Sequence[dict]) -> list[dict]:
         return {"correct": graded["correct"], "tokens": graded["tokens"],
                 "answer": None if answer is None else _digest(answer), "text": _digest(graded["text"].strip())}
 
-    return [{"id": r["id"], "attempt": line(r["attempt"]), "arms": {name: line(arm) for name, arm in r["arms"].items()}}
-            for r in records]
+    return [{"id": r["id"], "attempt": line(r["attempt"]),
+             "arms": {name: line(arm) for name, arm in r["arms"].items()}} for r in records]
 
 
 def _digest(text: str) -> str:
@@ -303,13 +305,48 @@ def ladder_table(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+EXAMPLE_KINDS = {"fixed": "a repair", "repeat_on_wrong": "a repeat of a wrong attempt", "broken": "a break"}
+
+
+def ladder_examples(rows: list[dict], summary: dict, lines_shown: int = 40) -> str:
+    """For each redo arm, the first repair, repeat and break of the table's counts: the attempt, the feedback, the
+    reflection and the redo, in full up to `lines_shown` lines each, to read what a count is made of."""
+    by_id = {r["id"]: r for r in rows}
+
+    def block(title: str, text: str) -> list[str]:
+        return [title, "", "~~~text", *text.strip().splitlines()[:lines_shown], "~~~", ""]
+
+    out = ["# The ladder's examples", ""]
+    for name, arm in summary["arms"].items():
+        if name.startswith(RESAMPLE):
+            continue
+        out += [f"## {name}", ""]
+        for kind, what in EXAMPLE_KINDS.items():
+            if not arm["examples"][kind]:
+                out += [f"### {what}: none", ""]
+                continue
+            r = by_id[arm["examples"][kind][0]]
+            critic = name.startswith("self@")
+            out += [f"### {what}: {r['id']}", "",
+                    *block(f"The attempt ({_verdict(r['attempt'])}):", r["attempt"]["text"]),
+                    *block("The feedback:", r["critique"] if critic else r["feedback"]),
+                    *block("The reflection:", r["self_reflection"] if critic else r["reflection"]),
+                    *block(f"The redo ({_verdict(r['arms'][name])}):", r["arms"][name]["text"])]
+    return "\n".join(out)
+
+
+def _verdict(graded: dict) -> str:
+    return f"{'passes' if graded['correct'] else 'fails'}, {graded['tokens']} tokens"
+
+
 def ladder_record(config: Config) -> dict:
     """What fixes a record, in the record's own names (common/fingerprints.py): the seed, the task, the model's path
     and dtype, `sampling`, the redumix keys the ladder reads (the reflection's length, the redo's instruction and
     effective temperature; λ and the critique's length for the self-critique arm alone) and its levers, and the engine,
     since a ladder's records come from one engine. Not `redumix.feedback` or `feedback_file` (the ladder sets its
-    feedback, `ladder.feedback`, and the self-critique itself), `redumix.topk` (the redo's texts draw from p_mix whole), the device,
-    compile_decoding or the batch sizes, nor n, skip or the number of resamples, which only add to the records.
+    feedback, `ladder.feedback`, and the self-critique itself), `redumix.topk` (the redo's texts draw from p_mix
+    whole), the device, compile_decoding or the batch sizes, nor n, skip or the number of resamples, which only add
+    to the records.
     `ladder.feedback` is recorded when it is not the verifier, so the records made before the key stand."""
     sampling, redumix, ladder = config.sampling, config.redumix, config.ladder
     critique = ladder.self_critique
