@@ -1,5 +1,7 @@
 """The MBPP recipe on the real Qwen2.5-Coder-0.5B weights (`make qwen-coder-0.5b`) through harvest, train and eval at
-a few rows: the `code` task's feedback reaches x2 from the sandbox, and the records grade as the task grades them."""
+a few rows: the `code` task's feedback reaches x2 from the sandbox, the stored targets of a 151,936-id vocabulary make
+a distribution, and the records grade as the task grades them. (The one pipeline run on these weights: the GSM8K recipe
+is the same code on another task; tests/test_qwen_coder.py checks the checkpoint itself.)"""
 
 from __future__ import annotations
 
@@ -49,6 +51,12 @@ def test_the_mbpp_recipe_runs_harvest_train_and_eval(tmp_path):
         assert row["feedback"] == task.feedback(row["original"], example)  # the sandbox's words, in x2
         assert row["original_correct"] == task.is_correct(row["original"], example)
         assert len(row["mix_topk_ids"]) == len(row["redo_token_ids"]) > 0
+        # the stored targets of a 151,936-id vocabulary: top-k ids in range, top-k and tail a distribution
+        assert all(len(ids) == config.redumix.topk and max(ids) < 151936 for ids in row["mix_topk_ids"])
+        assert all(-30 < lps[0] <= 0 for lps in row["mix_topk_logprobs"])  # float32 maths stored as float16
+        mass = [math.fsum(math.exp(lp) for lp in lps) + math.exp(tail)
+                for lps, tail in zip(row["mix_topk_logprobs"], row["mix_tail_logprob"], strict=True)]
+        assert all(abs(m - 1) < 0.01 for m in mass)
     assert json.loads((run.harvest / "manifest.json").read_text())["grader"] == task.grader()
     trained = run_train(config, run)
     assert trained["steps"] == 1 and math.isfinite(trained["final_loss"])
@@ -57,6 +65,8 @@ def test_the_mbpp_recipe_runs_harvest_train_and_eval(tmp_path):
     assert report["grader"] == task.grader()
     assert {(r["checkpoint"], r["decoder"]) for r in report["rows"]} == {
         ("base", "greedy"), ("base", "redumix-oracle"), ("tuned", "greedy")}
-    for record in map(json.loads, (run.eval / "generations" / "base--greedy.jsonl").read_text().splitlines()):
-        example = Example(record["id"], "code", record["prompt"], record["reference"])
-        assert record["correct"] == task.is_correct(record["output"], example)
+    for path in (run.eval / "generations").glob("*.jsonl"):
+        for record in map(json.loads, path.read_text().splitlines()):
+            assert "<|im_end|>" not in record["output"] and "<|im_start|>" not in record["output"]  # stops at ChatML's
+            example = Example(record["id"], "code", record["prompt"], record["reference"])
+            assert record["correct"] == task.is_correct(record["output"], example)
