@@ -116,4 +116,9 @@ def prompt_grades(records: Sequence[dict]) -> list[dict]:
     """Each record as the line a repository can keep (`redumix grades`): the problem, pass or fail, the reply's
     length in tokens and a hash of the reply, which says whether two runs replied alike without holding the reply."""
     return [{"id": r["id"], "correct": r["correct"], "tokens": r["tokens"],
-             "sha256": hashlib.sha256(r["output"].encode()).hexdigest()[:16]} for r in records]
+             "sha256": text_digest(r["output"])} for r in records]
+
+
+def text_digest(text: str) -> str:
+    """The first 16 hex digits of a text's SHA-256: two runs that replied alike have the same, without the reply."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -18,7 +18,6 @@ docs/real-models.md holds the ladder over real models that this measures.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Iterable, Sequence
 
@@ -39,6 +38,7 @@ from redumix.pipeline.config import Config
 from redumix.pipeline.embedded_stage import ensure_embedded
 from redumix.pipeline.engines import check_engine, open_engine
 from redumix.pipeline.harvest_folder import claim_settings
+from redumix.pipeline.records import text_digest
 from redumix.pipeline.run import RunDir, model_path
 from redumix.pipeline.stats import newcombe_paired_interval, wilson_interval
 
@@ -198,14 +198,10 @@ def ladder_grades(records: Sequence[dict]) -> list[dict]:
     def line(graded: dict) -> dict:
         answer = graded["answer"]
         return {"correct": graded["correct"], "tokens": graded["tokens"],
-                "answer": None if answer is None else _digest(answer), "text": _digest(graded["text"].strip())}
+                "answer": None if answer is None else text_digest(answer), "text": text_digest(graded["text"].strip())}
 
     return [{"id": r["id"], "attempt": line(r["attempt"]),
              "arms": {name: line(arm) for name, arm in r["arms"].items()}} for r in records]
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _repeats(arm: dict, attempt: dict) -> bool:
