@@ -45,9 +45,15 @@ class HarvestConfig:
         default=0,
         metadata={"help": "Harvest the split's examples [skip, skip + n); `rounds` moves it on by n each round."},
     )
+    attempts: int = field(
+        default=1,
+        metadata={"help": "Rows per example, each with its own seeds (n·attempts rows): more rows from a small split. "
+                  "The first attempt's seeds are a one-attempt harvest's."},
+    )
 
     def __post_init__(self) -> None:
-        problems = [f"{name} must be >= 1" for name in ("n", "batch_size", "shard_rows") if getattr(self, name) < 1]
+        problems = [f"{name} must be >= 1" for name in ("n", "batch_size", "shard_rows", "attempts")
+                    if getattr(self, name) < 1]
         if self.skip < 0:
             problems.append(f"skip must be >= 0, got {self.skip}")
         if problems:
@@ -282,6 +288,11 @@ class Config:
         if self.ladder.resamples > 1 and redo_policy(self.redumix, self.sampling).greedy:
             raise ValueError(f"ladder.resamples={self.ladder.resamples} needs redumix.redo_temperature > 0: a greedy "
                              "second try is the attempt again")
+        if self.harvest.attempts > 1 and self.sampling.temperature == 0 and redo_policy(self.redumix,
+                                                                                     self.sampling).greedy:
+            raise ValueError(f"harvest.attempts={self.harvest.attempts} would harvest the same greedy row "
+                             f"{self.harvest.attempts} times: set sampling.temperature or redumix.redo_temperature "
+                             "> 0")
         if self.evidence.rft_samples and self.evidence.rft_temperature is None and redo_policy(
                 self.redumix, self.sampling).greedy:
             raise ValueError(f"evidence.rft_samples={self.evidence.rft_samples} samples at the redo's temperature, "

@@ -76,7 +76,8 @@ def run_harvest(config: Config, run: RunDir, task: Task | None = None) -> None:
     ensure_embedded(config, run)
     # Every input is checked before the folder is claimed, so a fixed rerun is not refused as another config.
     skip = config.harvest.skip
-    examples = task.examples(config.harvest.split, skip + config.harvest.n)[skip:]
+    problems = task.examples(config.harvest.split, skip + config.harvest.n)[skip:]
+    examples = [e for e in problems for _ in range(config.harvest.attempts)]  # each problem's attempts in a row
     if not examples:
         raise ValueError(
             f"harvest: task {task.name!r} gives no examples in split {config.harvest.split!r} "
@@ -165,10 +166,14 @@ def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Examp
         for start in range(0, len(shard), config.harvest.batch_size):
             batch = shard[start : start + config.harvest.batch_size]
             began = time.perf_counter()
-            results = redumix_generate(engine, [e.prompt for e in batch], [e.id for e in batch], config.redumix,
-                                       config.sampling, config.seed, feedback_fn(config, task, batch))
+            first = k * size + start  # the batch's place in `examples`, where each example comes `attempts` times
+            tries = [(first + i) % config.harvest.attempts for i in range(len(batch))]
+            results = redumix_generate(engine, [e.prompt for e in batch],
+                                       [seed_key(e.id, j) for e, j in zip(batch, tries, strict=True)],
+                                       config.redumix, config.sampling, config.seed, feedback_fn(config, task, batch))
             seconds = (time.perf_counter() - began) / len(batch)
-            made = [make_row(e, r, config, task, str(path), seconds) for e, r in zip(batch, results, strict=True)]
+            made = [make_row(e, r, config, task, str(path), seconds, j)
+                    for e, r, j in zip(batch, results, tries, strict=True)]
             rows += made
             redos_right += sum(bool(r["redo_correct"]) for r in made)
             redos_done += len(made)
@@ -179,6 +184,12 @@ def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Examp
             log_metrics(run.metrics, "harvest", shard=k, rows=len(rows))
     bar.close()
     engine.close()
+
+
+def seed_key(example_id: str, attempt: int) -> str:
+    """What an attempt's noise derives from: the example's id for the first, so a one-attempt harvest's rows are
+    the first attempts of a larger one, and `id/attempt` for the others."""
+    return example_id if attempt == 0 else f"{example_id}/{attempt}"
 
 
 def feedback_fn(config: Config, task: Task, batch: list[Example]) -> FeedbackFn | None:
@@ -211,7 +222,7 @@ def _human_feedback(path: str) -> dict[str, str]:
 
 
 def make_row(
-    example: Example, result: RedumixResult, config: Config, task: Task, model: str, seconds: float
+    example: Example, result: RedumixResult, config: Config, task: Task, model: str, seconds: float, attempt: int = 0
 ) -> dict:
     graded = bool(example.reference)
     return {
@@ -239,5 +250,6 @@ def make_row(
             "sampling": asdict(config.sampling),
             "redumix": asdict(config.redumix),
             "seconds": round(seconds, 4),
+            **({"attempt": attempt} if config.harvest.attempts > 1 else {}),
         },
     }

@@ -50,7 +50,9 @@ def harvest_record(config: Config, task: Task) -> dict[str, Any]:
                     "reflection_max_tokens": redumix.reflection_max_tokens,
                     "critique_max_tokens": redumix.critique_max_tokens, "instruction": redumix.instruction,
                     "redo_temperature": redumix.redo_temperature},
-        "harvest": {"n": harvest.n, "split": harvest.split, "skip": harvest.skip, "shard_rows": harvest.shard_rows},
+        "harvest": {"n": harvest.n, "split": harvest.split, "skip": harvest.skip, "shard_rows": harvest.shard_rows,
+                    # only when set, so the harvests made before it existed keep their fingerprints
+                    **({"attempts": harvest.attempts} if harvest.attempts != 1 else {})},
     }
 
 
@@ -239,7 +241,8 @@ def harvest_manifest(config: Config, out: Path, n_shards: int, fingerprint: str,
     return {
         "fingerprint": fingerprint,
         "rows": n,
-        "skip": config.harvest.skip,  # the rows are the split's examples [skip, skip + rows)
+        "skip": config.harvest.skip,  # the rows are the split's examples [skip, skip + rows / attempts)
+        "attempts": config.harvest.attempts,  # rows per example, in a row: example i's are rows [i·a, (i+1)·a)
         "shards": [p.name for p in paths],
         "shard_files": {p.name: shard_record(p) for p in paths},  # rows and SHA-256: train and reruns check them
         "shard_bytes": sum(p.stat().st_size for p in paths),

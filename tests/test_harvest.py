@@ -198,3 +198,25 @@ def test_the_redo_instruction_and_temperature_are_the_harvests_levers(tmp_path, 
     assert any(b["redo"] != c["redo"] for b, c in zip(answer, sampled, strict=True))  # the redo alone is drawn
     settings = json.loads((tmp_path / "sampled" / "harvest" / "fingerprint.json").read_text())["record"]
     assert settings["redumix"]["instruction"] == "answer" and settings["redumix"]["redo_temperature"] == 1.0
+
+
+def test_attempts_harvest_each_example_that_many_times_the_first_as_a_one_attempt_harvest(tmp_path, model_dir):
+    """`harvest.attempts` multiplies the rows of a small split: example i's attempts are rows [i·a, (i+1)·a), the
+    first drawn with the one-attempt harvest's seeds, the others with their own; a rerun skips the complete folder."""
+    one = harvest(tmp_path / "one", model_dir, "harvest.n=4")
+    three = harvest(tmp_path / "three", model_dir, "harvest.n=4", "harvest.attempts=3")
+    assert [r["id"] for r in three] == [r["id"] for r in one for _ in range(3)]
+    columns = ("original", "reflection", "redo", "redo_token_ids", "mix_topk_ids", "mix_topk_logprobs")
+    for i, row in enumerate(one):
+        first, *others = three[3 * i : 3 * i + 3]
+        assert all(first[c] == row[c] for c in columns)
+        assert [json.loads(r["meta"])["attempt"] for r in (first, *others)] == [0, 1, 2]
+    assert any(three[3 * i]["original"] != three[3 * i + j]["original"] for i in range(4) for j in (1, 2))
+    manifest = json.loads((tmp_path / "three" / "harvest" / "manifest.json").read_text())
+    assert (manifest["rows"], manifest["attempts"]) == (12, 3)
+    record = json.loads((tmp_path / "three" / "harvest" / "fingerprint.json").read_text())["record"]
+    assert record["harvest"]["attempts"] == 3
+    assert "attempts" not in json.loads((tmp_path / "one" / "harvest" / "fingerprint.json").read_text())["record"][
+        "harvest"]  # a one-attempt harvest's record is the one made before the key existed
+    with pytest.raises(ValueError, match=r"harvest.attempts=2 would harvest the same greedy row 2 times"):
+        load_config(ROOT / "recipes" / "tiny.yaml", ["harvest.attempts=2", "sampling.temperature=0.0"])

@@ -101,3 +101,19 @@ def test_rft_temperature_samples_a_greedy_recipe(tmp_path):
     assert any(row["original"] not in pair for row, pair in zip(rows, texts, strict=True))
     with pytest.raises(ValueError, match="rft_samples must be >= 0"):
         load_config("tiny", [*SMALL, "evidence.rft_samples=-1"])
+
+
+def test_a_problem_harvested_several_times_gives_its_distinct_right_answers_once():
+    """With `harvest.attempts` > 1 a problem has several rows: its right attempts and right samples become one row
+    per distinct text, not one set per row."""
+    from redumix.pipeline.studies.rft import kept_rows
+
+    rows = [{"id": "a", "original": "x", "original_correct": False, "redo": "r1"},
+            {"id": "a", "original": "y", "original_correct": True, "redo": "r2"},
+            {"id": "a", "original": "z", "original_correct": True, "redo": "r3"},
+            {"id": "b", "original": "w", "original_correct": False, "redo": "r4"}]
+    samples = {"a": {"resample": {"text": "y", "correct": True}, "resample2": {"text": "v", "correct": True}},
+               "b": {"resample": {"text": "u", "correct": False}, "resample2": {"text": "t", "correct": True}}}
+    kept = kept_rows(rows, samples, ["resample", "resample2"])
+    assert [(r["id"], r["original"]) for r in kept] == [("a", "y"), ("a", "z"), ("a", "v"), ("b", "t")]
+    assert all(r["original_correct"] and r["redo"] == ("r1" if r["id"] == "a" else "r4") for r in kept)

@@ -4,7 +4,7 @@ RFT (rejection-sampling fine-tuning, arXiv:2308.01825) is SFT on a model's own s
 baseline a user tries first. With `evidence.rft_samples` k > 0, the starting model draws k independent samples per
 harvested problem from x alone at `evidence.rft_temperature`. They are drawn with the ladder's seeds, so at the
 redo's temperature (the default) they are the ladder's resamples, the same texts (pipeline/studies/ladder.py). The
-verifier keeps the right ones, and the harvest's attempt where it is right. Each distinct kept text is one row: the
+verifier keeps the right ones, and the harvest's attempts where they are right. Each distinct kept text is one row: the
 harvest row with `original` set to it, so the arm trains as every hard-label arm does (`train.target=original`,
 `train.rows=original_correct`), and a problem's rows share its id and so its side of the held-out split. With
 k = 0 the arm learns the right attempts alone, from the harvest itself.
@@ -57,11 +57,11 @@ def rft_harvest(config: Config, model: Path, harvest: Path, folder: Path) -> Pat
             raise ValueError(f"evidence: no problem of {harvest} has a right answer among its attempt and "
                              f"{k} samples, so the rft arm has nothing to learn; drop it from evidence.*_arms")
         write_rows(out, kept, config.harvest.shard_rows, {
-            "source": source, "rft_samples": k, "problems": len(rows),
+            "source": source, "rft_samples": k, "problems": len(by_problem(rows)),
             "problems_kept": len({r["id"] for r in kept}),
             "rows_from_attempts": sum(r["original_correct"] for r in rows), "rows": len(kept)})
         print0(f"evidence: rft rows in {out}: {len(kept)} right answers of {len({r['id'] for r in kept})} of "
-               f"{len(rows)} problems (the attempt and {k} samples each)")
+               f"{len(by_problem(rows))} problems (the attempts and {k} samples each)")
     barrier()
     return out
 
@@ -77,7 +77,8 @@ def draw_samples(config: Config, model: Path, rows: list[dict], folder: Path) ->
     path = folder / "samples.jsonl"
     records = {r["id"]: r for _, r in read_jsonl(path)} if path.exists() else {}
     names = resample_names(config.evidence.rft_samples)
-    todo = [r for r in rows if not set(names) <= set(records.get(r["id"], {}).get("samples", {}))]
+    problems = [attempts[0] for attempts in by_problem(rows).values()]
+    todo = [r for r in problems if not set(names) <= set(records.get(r["id"], {}).get("samples", {}))]
     if todo:
         engine, policy = open_engine(config, model), rft_policy(config)
         bar = tqdm(total=len(todo), desc="evidence: rft samples", unit="problem")
@@ -104,11 +105,19 @@ def draw_samples(config: Config, model: Path, rows: list[dict], folder: Path) ->
 def kept_rows(rows: list[dict], samples: dict[str, dict], names: Sequence[str]) -> list[dict]:
     """One row per distinct right answer of each problem: its right attempt first, then its right samples."""
     kept = []
-    for row in rows:
-        texts = [row["original"]] if row["original_correct"] else []
-        texts += [samples[row["id"]][n]["text"] for n in names if samples[row["id"]][n]["correct"]]
-        kept += [row | {"original": text, "original_correct": True} for text in dict.fromkeys(texts)]
+    for problem, attempts in by_problem(rows).items():  # a harvest with `harvest.attempts` > 1 has several rows
+        texts = [row["original"] for row in attempts if row["original_correct"]]
+        texts += [samples[problem][n]["text"] for n in names if samples[problem][n]["correct"]]
+        kept += [attempts[0] | {"original": text, "original_correct": True} for text in dict.fromkeys(texts)]
     return kept
+
+
+def by_problem(rows: list[dict]) -> dict[str, list[dict]]:
+    """Each problem's rows, in order of first appearance."""
+    problems: dict[str, list[dict]] = {}
+    for row in rows:
+        problems.setdefault(row["id"], []).append(row)
+    return problems
 
 
 def write_rows(out: Path, rows: list[dict], shard_rows: int, totals: dict) -> None:
