@@ -21,7 +21,9 @@ ARMS: dict[str, Arm] = {
     "mixture": Arm("verifier", {}, "the stored p_mix at the recipe's λ, verifier feedback: the product's own target"),
     "lambda0": Arm("lambda0", {}, "p_mix at λ=0, the reflective context alone (a harvest of its own)"),
     "redo": Arm("verifier", {"target": "redo"}, "SFT: the λ-mixture redo text as hard labels"),
-    "gold": Arm("verifier", {"target": "gold"}, "SFT: the task's reference working (what a perfect teacher gives)"),
+    # Every row: the reference is right whatever the row's redo was, so a recipe's `train.rows` does not thin it.
+    "gold": Arm("verifier", {"target": "gold", "rows": "all"},
+                "SFT: the task's reference working on every row (what a perfect teacher gives)"),
     "original": Arm("verifier", {"target": "original"},
                     "SFT: the model's own first attempts (what any fine-tune on this data gives)"),
     "rft": Arm("rft", {"target": "original", "rows": "original_correct"},

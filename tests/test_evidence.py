@@ -44,7 +44,7 @@ def test_every_arm_trains_the_same_steps_is_measured_and_summarised(tmp_path, ti
     assert lam0["redumix"]["lam"] == 0.0
     assert yaml.safe_load((folder / "harvest-none" / "config.yaml").read_text())["redumix"]["feedback"] == "none"
     gold = yaml.safe_load(arm_dir(folder, "gold", 0).config.read_text())["train"]
-    assert gold["target"] == "gold" and gold["harvest_dir"] == str(run.harvest)
+    assert gold["target"] == "gold" and gold["rows"] == "all" and gold["harvest_dir"] == str(run.harvest)
     # The variant is another task: numbers up to 30 where the recipe has 20.
     variant = read_records(records_path(arm_dir(folder, "redo", 0).root / "variant" / "eval" / "generations", "base",
                                         "greedy"))

@@ -192,3 +192,27 @@ def test_every_redo_instruction_the_config_accepts_has_its_text():
     assert field.default in REDO_INSTRUCTIONS
     turn = redo_messages("Write a note.", "A note.", "Too long.", "Shorter.", REDO_INSTRUCTIONS["answer"])[-1]
     assert turn == {"role": "user", "content": REDO_INSTRUCTIONS["answer"]}
+
+
+def test_a_reflection_that_writes_the_wrong_attempt_back_is_counted_with_what_the_redos_did_after_it():
+    from redumix.pipeline.studies.ladder import ladder_table, quotes_attempt
+
+    attempt = "def f(x):\n    # add one\n    return x + 2"
+    assert quotes_attempt("Here's the corrected code:\n```python\ndef f(x):\n\n    return x + 2\n```", attempt)
+    assert quotes_attempt("Fixed:\n```python\ndef f(x):\n    return x + 2\n    retu", attempt)  # cut by the cap
+    assert not quotes_attempt("Fixed:\n```python\ndef f(x):\n    return x + 1\n```", attempt)
+    assert not quotes_attempt("The function adds two instead of one.", attempt)
+    assert not quotes_attempt("```python\ndef f(x):\n```", None)
+
+    rows = [_row(0, False, False, True) | {"reflection_quotes_attempt": True},
+            _row(1, False, True, False, ("1", "2", "1")) | {"reflection_quotes_attempt": True},
+            _row(2, False, False, False) | {"reflection_quotes_attempt": False},
+            _row(3, True, True, True) | {"reflection_quotes_attempt": True}]  # a right attempt is not counted
+    summary = summarize_ladder(rows, [RESAMPLE, "redo"])
+    assert summary["reflection_quotes_attempt"] == {"wrong_attempts": 2, "arms": {
+        RESAMPLE: {"repeats": 1, "fixed": 1}, "redo": {"repeats": 1, "fixed": 1}}}
+    assert "on 2 of 3 wrong attempts; on those: resample repeats 1, fixes 1; redo repeats 1, fixes 1." in \
+        ladder_table(summary)
+    assert "reflection_quotes_attempt" not in summarize_ladder([{k: v for k, v in r.items()
+                                                                 if k != "reflection_quotes_attempt"} for r in rows],
+                                                               [RESAMPLE, "redo"])

@@ -19,6 +19,7 @@ docs/real-models.md holds the ladder over real models that this measures.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -101,10 +102,11 @@ def run_ladder(config: Config, run: RunDir) -> None:
             bar.close()
         engine.close()
     rows = [records[e.id] for e in examples]
-    summary = summarize_ladder(rows, arm_names(config))
+    grades = ladder_grades(rows)
+    summary = summarize_ladder(grades, arm_names(config))  # what the committed grades alone give again
     summary["settings"] = ladder_record(config)
     atomic_write_json(out / "summary.json", summary)
-    atomic_write_jsonl(out / "grades.jsonl", ladder_grades(rows))
+    atomic_write_jsonl(out / "grades.jsonl", grades)
     atomic_write_text(out / "examples.md", ladder_examples(rows, summary))
     table = ladder_table(summary)
     atomic_write_text(out / "ladder.md", table)
@@ -201,7 +203,23 @@ def ladder_grades(records: Sequence[dict]) -> list[dict]:
                 "answer": None if answer is None else text_digest(answer), "text": text_digest(graded["text"].strip())}
 
     return [{"id": r["id"], "attempt": line(r["attempt"]),
-             "arms": {name: line(arm) for name, arm in r["arms"].items()}} for r in records]
+             "arms": {name: line(arm) for name, arm in r["arms"].items()},
+             "reflection_quotes_attempt": quotes_attempt(r["reflection"], r["attempt"]["answer"])} for r in records]
+
+
+def quotes_attempt(reflection: str, answer: str | None) -> bool:
+    """The reflection's first code block is the attempt again: each of its lines, comments and blank lines aside, is
+    a line of the attempt's answer (the last line of an unclosed block is left out: the reflection's token cap cut
+    it). A small model's reflection often ends "Here's the corrected code:" and writes the wrong attempt back
+    (docs/code.md)."""
+    block = re.search(r"```[a-z]*\n(.*?)(```|\Z)", reflection, re.S)
+    if block is None or not answer:
+        return False
+    code_lines = lambda text: [ln.split("#")[0].rstrip() for ln in text.splitlines() if ln.split("#")[0].strip()]  # noqa: E731
+    quoted = code_lines(block.group(1))
+    if not block.group(2) and len(quoted) > 1:
+        quoted = quoted[:-1]
+    return bool(quoted) and set(quoted) <= set(code_lines(answer))
 
 
 def _repeats(arm: dict, attempt: dict) -> bool:
@@ -240,6 +258,12 @@ def summarize_ladder(rows: list[dict], arms: list[str]) -> dict:
             "mean_tokens": _share(sum(r["arms"][name]["tokens"] for r in rows), n),
             "examples": {"fixed": fixed[:3], "broken": broken[:3], "repeat_on_wrong": repeats_on_wrong[:3]},
         }
+    quoting = [r for r in wrong if r.get("reflection_quotes_attempt")]  # grades made before it lack the key
+    if any("reflection_quotes_attempt" in r for r in rows):
+        summary["reflection_quotes_attempt"] = {
+            "wrong_attempts": len(quoting),
+            "arms": {name: {"repeats": sum(_repeats(r["arms"][name], r["attempt"]) for r in quoting),
+                            "fixed": sum(r["arms"][name]["correct"] for r in quoting)} for name in arms}}
     resamples = [name for name in arms if name.startswith(RESAMPLE)]
     if len(resamples) > 1:
         summary |= equal_samples(rows, wrong, [name for name in arms if name not in resamples], resamples)
@@ -298,6 +322,13 @@ def ladder_table(summary: dict) -> str:
             lines.append(f"| {name} | {pair['fixed']} | {pct(pair['keep_right_accuracy'])}% | {vs} |")
         best = ", ".join(f"{k} → {fixed}" for k, fixed in enumerate(summary["best_of_resamples_fixed"], 1))
         lines += ["", f"k resamples per wrong attempt, wrong attempts fixed by any of them: {best}"]
+    if "reflection_quotes_attempt" in summary:
+        quoting = summary["reflection_quotes_attempt"]
+        after = "; ".join(f"{name} repeats {arm['repeats']}, fixes {arm['fixed']}"
+                          for name, arm in quoting["arms"].items())
+        lines += ["", f"The reflection writes the wrong attempt back as its correction (its code block holds only the "
+                  f"attempt's lines) on {quoting['wrong_attempts']} of {summary['wrong_attempts']} wrong attempts; "
+                  f"on those: {after}."]
     return "\n".join(lines) + "\n"
 
 
