@@ -108,6 +108,9 @@ def test_the_bundled_recipes_translate_from_version_0_to_their_record():
     for path in sorted((ROOT / "recipes").glob("*.yaml")):
         config = load_config(path)
         task = make_task(config.task, config.seed)
+        if config.harvest.attempts != 1:  # harvest.attempts came after version 0, which has no way to say it
+            assert harvest_record(config, task)["harvest"]["attempts"] == config.harvest.attempts
+            continue
         settings = v0_settings(config, task)
         assert harvest_record_v0(settings) == harvest_record(config, task), path.stem
         if path.stem in old:
