@@ -56,12 +56,16 @@ def rft_harvest(config: Config, model: Path, harvest: Path, folder: Path) -> Pat
         if not kept:
             raise ValueError(f"evidence: no problem of {harvest} has a right answer among its attempt and "
                              f"{k} samples, so the rft arm has nothing to learn; drop it from evidence.*_arms")
+        problems = by_problem(rows)
         write_rows(out, kept, config.harvest.shard_rows, {
-            "source": source, "rft_samples": k, "problems": len(by_problem(rows)),
+            "source": source, "rft_samples": k, "problems": len(problems),
             "problems_kept": len({r["id"] for r in kept}),
-            "rows_from_attempts": sum(r["original_correct"] for r in rows), "rows": len(kept)})
+            # kept rows that are attempts: a problem's right attempts once per distinct text, as kept_rows keeps them
+            "rows_from_attempts": sum(len({r["original"] for r in attempts if r["original_correct"]})
+                                      for attempts in problems.values()),
+            "rows": len(kept)})
         print0(f"evidence: rft rows in {out}: {len(kept)} right answers of {len({r['id'] for r in kept})} of "
-               f"{len(by_problem(rows))} problems (the attempts and {k} samples each)")
+               f"{len(problems)} problems (the attempts and {k} samples each)")
     barrier()
     return out
 
