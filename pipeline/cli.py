@@ -243,21 +243,31 @@ def grades_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="redumix grades", description="Write an eval's per-prompt grades (id, pass, reply tokens, reply hash; "
         "no reply, no weights) to OUT: one JSON Lines file per checkpoint and decoder, and index.json with each "
-        "file's model, n and accuracy, so a table can be recomputed after the run folder is gone.")
-    parser.add_argument("eval_dir", type=Path, help="an eval folder (RUN_DIR/eval) with generations/*.jsonl")
+        "file's model, n and accuracy, so a table can be recomputed after the run folder is gone. Given a folder of "
+        "evals instead (RUN_DIR/evidence: each arm's test, variant and forgetting evals), the grades of every eval "
+        "under it, each in OUT at its place in the tree.")
+    parser.add_argument("eval_dir", type=Path, help="an eval folder (RUN_DIR/eval) with generations/*.jsonl, or a "
+                        "folder with such eval folders under it")
     parser.add_argument("out", type=Path, help="where to write them, e.g. docs/records/NAME")
     args = parser.parse_args(argv)
-    sources = sorted((args.eval_dir / "generations").glob("*.jsonl"))
-    if not sources:
+    if (args.eval_dir / "generations").is_dir():
+        found = {Path("."): args.eval_dir}
+    else:  # each eval folder's run folder, relative to eval_dir, names its place in OUT
+        found = {g.parent.parent.relative_to(args.eval_dir): g.parent
+                 for g in sorted(args.eval_dir.glob("**/eval/generations")) if any(g.glob("*.jsonl"))}
+    if not found:
         raise FileNotFoundError(f"{args.eval_dir / 'generations'}: no records; run `redumix eval` first")
-    index = {}
-    for source in sources:
-        records = read_records(source)
-        atomic_write_jsonl(args.out / source.name, prompt_grades(records))
-        index[source.name] = {"model": sorted({r["model"] for r in records}), "n": len(records),
-                              "accuracy": sum(r["correct"] for r in records) / max(len(records), 1)}
-    atomic_write_json(args.out / "index.json", index)
-    print(f"grades: {len(sources)} files written to {args.out}")
+    files = 0
+    for place, eval_dir in found.items():
+        index = {}
+        for source in sorted((eval_dir / "generations").glob("*.jsonl")):
+            records = read_records(source)
+            atomic_write_jsonl(args.out / place / source.name, prompt_grades(records))
+            index[source.name] = {"model": sorted({r["model"] for r in records}), "n": len(records),
+                                  "accuracy": sum(r["correct"] for r in records) / max(len(records), 1)}
+        atomic_write_json(args.out / place / "index.json", index)
+        files += len(index)
+    print(f"grades: {files} files of {len(found)} evals written to {args.out}")
     return 0
 
 

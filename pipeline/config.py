@@ -223,6 +223,13 @@ class EvidenceConfig:
                   "two more drift measures on its first drift_n lines: KL(tuned ‖ base) on the base's greedy answers "
                   "to the questions, and the loss of the answers read as plain text. null skips both."},
     )
+    forgetting: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Forgetting as accuracy: other tasks on which the base and every arm are measured greedy, "
+                  "each a recipe with overrides as on the command line ('qwen2.5-coder-0.5b-gsm8k eval.n=200'). "
+                  "Its task, prompt suffix, sampling and eval.n are used, the model is the arm's; the tasks must "
+                  "differ. Each is a column of the table with its paired change against the base."},
+    )
 
     def __post_init__(self) -> None:
         problems = []
@@ -237,6 +244,8 @@ class EvidenceConfig:
             problems.append(f"rft_temperature must be > 0 or null, got {self.rft_temperature}")
         if self.n < 1 or self.drift_n < 1 or self.variant_number_max < 2:
             problems.append("n and drift_n must be >= 1, variant_number_max >= 2")
+        if any(not entry.strip() for entry in self.forgetting):
+            problems.append("forgetting lists an empty entry: each is a recipe, then its overrides")
         if problems:
             raise ValueError("; ".join(problems))
 

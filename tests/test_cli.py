@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -210,3 +211,12 @@ def test_grades_keep_each_prompts_verdict_and_a_hash_of_its_reply(tmp_path, caps
     assert index == {"base--greedy.jsonl": {"model": ["abc:greedy"], "n": 2, "accuracy": 0.5}}
     assert main(["grades", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
     assert "no records; run `redumix eval` first" in capsys.readouterr().err
+    # A folder of evals (an evidence folder): each eval's grades at its run folder's place in the tree.
+    for place in ["base", "mixture/seed-0", "mixture/seed-0/forgetting/gsm8k"]:
+        shutil.copytree(tmp_path / "eval", tmp_path / "evidence" / place / "eval")
+    (tmp_path / "evidence" / "mixture" / "seed-0" / "train").mkdir()
+    assert main(["grades", str(tmp_path / "evidence"), str(tmp_path / "tree")]) == 0
+    written = sorted(str(p.relative_to(tmp_path / "tree")) for p in (tmp_path / "tree").rglob("*.jsonl"))
+    assert written == ["base/base--greedy.jsonl", "mixture/seed-0/base--greedy.jsonl",
+                       "mixture/seed-0/forgetting/gsm8k/base--greedy.jsonl"]
+    assert json.loads((tmp_path / "tree" / "mixture" / "seed-0" / "index.json").read_text()) == index

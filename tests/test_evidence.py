@@ -11,17 +11,20 @@ import pytest
 import yaml
 
 from redumix.common.files import atomic_write_json
+from redumix.data.tasks import make_task
 from redumix.pipeline.config import load_config
 from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.resolve import ConfigError
 from redumix.pipeline.run import RunDir, arm_dir
-from redumix.pipeline.studies.evidence import run_evidence, saved_answers
+from redumix.pipeline.studies.evidence import forgetting_tasks, run_evidence, saved_answers
 from redumix.pipeline.studies.evidence_report import evidence_markdown, paired_arms
 from tests.test_rounds import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ["evidence.main_arms=[mixture, gold, redo]", "evidence.other_arms=[lambda0, feedback-none, on-policy]",
         "evidence.seeds=[0, 1]", "evidence.n=4", "evidence.drift_n=3", "train.onpolicy_max_new_tokens=4"]
+# Forgetting measured on another recipe's task: here arith with four steps where the recipe has two or three.
+LONGER = "'tiny task.arith.steps_min=4 task.arith.steps_max=4 eval.n=3 sampling.max_new_tokens=5'"
 
 
 def test_every_arm_trains_the_same_steps_is_measured_and_summarised(tmp_path, tiny_model_dir, capsys):
@@ -29,7 +32,8 @@ def test_every_arm_trains_the_same_steps_is_measured_and_summarised(tmp_path, ti
     general.write_text("".join(json.dumps({"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}"})
                                + "\n" for i in range(5)))
     config = load_config(ROOT / "recipes" / "tiny.yaml", [f"model.path={tiny_model_dir}", *SMALL, *ARMS,
-                                                          f"evidence.general_path={general}"])
+                                                          f"evidence.general_path={general}",
+                                                          f"evidence.forgetting=[{LONGER}]"])
     run = RunDir(tmp_path / "run")
     summary = run_evidence(config, run)
     folder = run.root / "evidence"
@@ -65,6 +69,24 @@ def test_every_arm_trains_the_same_steps_is_measured_and_summarised(tmp_path, ti
     # Every arm's accuracy comes before any arm's drift, the costliest measure.
     last_eval = max(p.stat().st_mtime_ns for p in folder.glob("*/seed-*/eval/generations/*"))
     assert last_eval < min(p.stat().st_mtime_ns for p in folder.glob("*/seed-*/drift.json"))
+    # Forgetting: every arm and the base greedy on the other recipe's task, its n, its prompts, its answer length.
+    other = forgetting_tasks(config)["arith"]
+    longer = [(e.id, e.prompt) for e in make_task(other.task, other.seed).examples("test", 3)]
+    test_prompts = {r["prompt"] for r in read_records(records_path(folder / "base" / "eval" / "generations", "base",
+                                                                    "greedy"))}
+    assert len(test_prompts) == 4 and not test_prompts & {p for _, p in longer}
+    assert summary["parts"] == ["test", "variant", "arith"] and summary["base"]["arith"]["n"] == 3
+    for arm, seed in [("base", None), ("mixture", 1), ("on-policy", 0)]:
+        here = RunDir(folder / "base") if seed is None else arm_dir(folder, arm, seed)
+        records = read_records(records_path(here.root / "forgetting" / "arith" / "eval" / "generations", "base",
+                                            "greedy"))
+        assert [(r["id"], r["prompt"]) for r in records] == longer and all(r["tokens"] <= 5 for r in records)
+        correct = {r["id"]: bool(r["correct"]) for r in records}
+        if seed is not None:
+            assert summary["arms"][arm]["arith"]["values"][summary["arms"][arm]["seeds"].index(seed)] == (
+                sum(correct.values()) / 3)
+    assert summary["vs_base"]["mixture"]["arith"]["problems"] == 3
+    assert "| arith accuracy | vs base (arith) |" in evidence_markdown(summary)
     assert "KL(tuned ‖ base), off task" in evidence_markdown(summary)
     assert (folder / "evidence.md").read_text() == evidence_markdown(summary)
     assert (folder / "evidence.png").stat().st_size > 0
@@ -98,6 +120,22 @@ def test_paired_arms_counts_and_interval() -> None:
     assert result["change"] == 0.25 and result["low"] <= 0.25 <= result["high"]
     same = paired_arms(reference, reference, "test")
     assert same["change"] == same["low"] == same["high"] == 0 and same["mcnemar_p"] == 1.0
+
+
+def test_a_wrong_forgetting_entry_is_refused_by_its_index_before_anything_runs() -> None:
+    def tasks(*entries: str) -> dict:
+        return forgetting_tasks(load_config(ROOT / "recipes" / "tiny.yaml", [f"evidence.forgetting={list(entries)}"]))
+
+    assert list(tasks("tiny", "qwen2.5-coder-0.5b-gsm8k eval.n=200")) == ["arith", "gsm8k"]
+    assert tasks("qwen2.5-coder-0.5b-gsm8k eval.n=200")["gsm8k"].eval.n == 200
+    with pytest.raises(ConfigError, match=r"evidence.forgetting\[1\] .*eval.nn"):
+        tasks("tiny", "qwen2.5-coder-0.5b-gsm8k eval.nn=200")
+    with pytest.raises(ConfigError, match=r"evidence.forgetting\[0\] .*recipe not found: no-such-recipe"):
+        tasks("no-such-recipe")
+    with pytest.raises(ConfigError, match=r"evidence.forgetting\[1\] .*task 'arith' a second time"):
+        tasks("tiny", "tiny task.arith.steps_max=4")
+    with pytest.raises(ConfigError, match="empty entry"):
+        tasks(" ")
 
 
 def test_the_config_checks_and_describes_the_arms_from_the_stage_table() -> None:

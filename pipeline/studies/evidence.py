@@ -8,35 +8,39 @@ teacher shown x2). `evidence.main_arms` train with every seed of `evidence.seeds
 first.
 
 Measured per arm: greedy accuracy on `evidence.n` test problems; greedy accuracy on a task variant no arm trains on
-(numbers up to `evidence.variant_number_max`, larger than the recipe's); KL(tuned ‖ base) per token on the tuned
-model's own greedy answers to `evidence.drift_n` test prompts; the held-out KL to the stored p_mix; seconds per step.
+(numbers up to `evidence.variant_number_max`, larger than the recipe's); greedy accuracy on the other tasks of
+`evidence.forgetting` (forgetting as accuracy, each against the base on the same problems); KL(tuned ‖ base) per
+token on the tuned model's own greedy answers to `evidence.drift_n` test prompts; the held-out KL to the stored p_mix;
+seconds per step.
 Paired tests compare arms on the same problems: each seed against the same seed of the mixture arm, pooled by a
 paired bootstrap over problems.
 
 RUN_DIR/evidence/ holds one folder per harvest (`harvest-<kind>/`, the recipe's own harvest is RUN_DIR/harvest) and
-one run folder per arm and seed (`<arm>/seed-<s>/` with train/, eval/, variant/, drift.json). Every stage resumes as
-it does alone; `evidence.json`, `evidence.md` and `evidence.png` are written last.
+one run folder per arm and seed (`<arm>/seed-<s>/` with train/, eval/, variant/, forgetting/<task>/, drift.json).
+Every stage resumes as it does alone; `evidence.json`, `evidence.md` and `evidence.png` are written last.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from pathlib import Path
 from typing import Any
 
 from redumix.common.files import atomic_write_json, atomic_write_text, read_json
 from redumix.common.ranks import print0
-from redumix.pipeline.config import Config
+from redumix.pipeline.config import Config, load_config
 from redumix.pipeline.decoders import BASELINE
 from redumix.pipeline.embedded_stage import ensure_embedded
 from redumix.pipeline.eval import run_eval
 from redumix.pipeline.evidence_arms import ARMS, HARVESTS
 from redumix.pipeline.harvest import run_harvest
-from redumix.pipeline.resolve import config_to_yaml
+from redumix.pipeline.resolve import ConfigError, config_to_yaml
 from redumix.pipeline.run import EMBEDDED, RunDir, arm_dir, model_path
 from redumix.pipeline.studies.drift import drift_measures, greedy_answers, read_general_set
 from redumix.pipeline.studies.evidence_report import (
     evidence_markdown,
+    forgetting_dir,
     greedy_records,
     plot_evidence,
     summarize_evidence,
@@ -52,7 +56,8 @@ def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
     folder = run.evidence
     plan = [(arm, seed) for arm in ev.main_arms for seed in ev.seeds]
     plan += [(arm, ev.seeds[0]) for arm in ev.other_arms if arm not in ev.main_arms]
-    eval_greedy(config, RunDir(folder / "base"), base, checkpoint="base")
+    other_tasks = forgetting_tasks(config)  # a wrong entry stops the stage here, before any arm trains
+    eval_greedy(config, RunDir(folder / "base"), base, checkpoint="base", other_tasks=other_tasks)
     steps = 0  # every arm trains as many steps as the first one did (the mixture arm, seed 0, in the default plan)
     trained_arms = []
     for arm, seed in plan:
@@ -64,13 +69,13 @@ def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
         atomic_write_text(here.config, config_to_yaml(settings))
         trained = run_train(settings, here)
         steps = steps or trained["steps"]
-        eval_greedy(settings, here, here.train / "merged", checkpoint="tuned")
+        eval_greedy(settings, here, here.train / "merged", checkpoint="tuned", other_tasks=other_tasks)
         trained_arms.append((settings, here))
     # Drift is the costliest measure (the tuned and the base model over every drift sequence; its cost is in
     # docs/real-models.md) and accuracy the first one asked, so every arm's accuracy is measured before any drift.
     for settings, here in trained_arms:
         measure_drift(settings, here, here.train / "merged", base)
-    summary = summarize_evidence(config, folder, plan)
+    summary = summarize_evidence(config, folder, plan, list(other_tasks))
     atomic_write_json(folder / "evidence.json", summary)
     atomic_write_text(folder / "evidence.md", evidence_markdown(summary))
     plot_evidence(summary, folder / "evidence.png")
@@ -113,9 +118,26 @@ def arm_config(config: Config, base: Path, harvest: Path, arm: str, seed: int, s
 # --- measuring one model ----------------------------------------------------------------------------------------
 
 
-def eval_greedy(config: Config, here: RunDir, model: Path, checkpoint: str) -> None:
-    """Greedy on the test split and (on arith) on the held-out variant. For the base, also its greedy answers to the
-    general set's questions, which every arm's off-task KL reads."""
+def forgetting_tasks(config: Config) -> dict[str, Config]:
+    """`evidence.forgetting`'s recipes, loaded, by their task's name (the name of their column and folder)."""
+    tasks: dict[str, Config] = {}
+    for i, entry in enumerate(config.evidence.forgetting):
+        recipe, *overrides = shlex.split(entry)
+        try:
+            other = load_config(recipe, overrides)
+        except ConfigError as e:
+            raise ConfigError(f"evidence.forgetting[{i}] ({entry!r}): {e}") from None
+        if other.task.name in tasks:
+            raise ConfigError(f"evidence.forgetting[{i}] ({entry!r}) measures task {other.task.name!r} a second "
+                              "time: list each task once")
+        tasks[other.task.name] = other
+    return tasks
+
+
+def eval_greedy(config: Config, here: RunDir, model: Path, checkpoint: str,
+                other_tasks: dict[str, Config] | None = None) -> None:
+    """Greedy on the test split, (on arith) on the held-out variant and on each of `other_tasks`. For the base, also
+    its greedy answers to the general set's questions, which every arm's off-task KL reads."""
     ev = config.evidence
     greedy_only = dataclasses.replace(config.eval, decoders=[BASELINE], tuned_decoders=[], n=ev.n, n_other=ev.n,
                                       checkpoints=[checkpoint])
@@ -129,6 +151,14 @@ def eval_greedy(config: Config, here: RunDir, model: Path, checkpoint: str) -> N
                                       task=dataclasses.replace(config.task, arith=arith),
                                       eval=dataclasses.replace(greedy_only, checkpoints=["base"]))
         run_eval(variant, RunDir(here.root / "variant"))
+    for name, other in (other_tasks or {}).items():
+        # As the variant: the model measured is model.path, its "base" checkpoint. The other recipe decides the
+        # problems, prompts and answer length; this one the engine and the batch.
+        on_other = dataclasses.replace(
+            config, model=dataclasses.replace(config.model, path=str(model)), task=other.task,
+            sampling=other.sampling, eval=dataclasses.replace(greedy_only, checkpoints=["base"], n=other.eval.n,
+                                                              n_other=other.eval.n, split=other.eval.split))
+        run_eval(on_other, forgetting_dir(here, name))
     if checkpoint == "base" and ev.general_path:
         general = read_general_set(Path(ev.general_path), ev.drift_n)
         if saved_answers(here, general.questions) is None:

@@ -22,16 +22,26 @@ def greedy_records(here: RunDir, checkpoint: str) -> list[dict]:
     return read_records(records_path(here.eval / "generations", checkpoint, BASELINE))
 
 
+def forgetting_dir(here: RunDir, task: str) -> RunDir:
+    """Where a model's greedy on another task of `evidence.forgetting` is (run as that run's "base" checkpoint)."""
+    return RunDir(here.root / "forgetting" / task)
+
+
 def _correct(records: list[dict]) -> dict[str, bool]:
     return {r["id"]: bool(r["correct"]) for r in records}
 
 
-def summarize_evidence(config: Config, folder: Path, plan: list[tuple[str, int]]) -> dict[str, Any]:
+def summarize_evidence(config: Config, folder: Path, plan: list[tuple[str, int]],
+                       forgetting: list[str] = ()) -> dict[str, Any]:
+    """`forgetting`: the task names of `evidence.forgetting`, each a part (a column) like the test split."""
     base = RunDir(folder / "base")
     parts = ["test", "variant"] if config.task.name == "arith" else ["test"]
     base_parts = {"test": _correct(greedy_records(base, "base"))}
     if "variant" in parts:
         base_parts["variant"] = _correct(greedy_records(RunDir(base.root / "variant"), "base"))
+    for task in forgetting:
+        base_parts[task] = _correct(greedy_records(forgetting_dir(base, task), "base"))
+    parts += list(forgetting)
     runs: dict[str, dict[int, dict[str, Any]]] = {}
     general = None
     for arm, seed in plan:
@@ -48,6 +58,8 @@ def summarize_evidence(config: Config, folder: Path, plan: list[tuple[str, int]]
         }
         if "variant" in parts:
             runs[arm][seed]["variant"] = _correct(greedy_records(RunDir(here.root / "variant"), "base"))
+        for task in forgetting:
+            runs[arm][seed][task] = _correct(greedy_records(forgetting_dir(here, task), "base"))
         if "kl_offtask" in drift:
             runs[arm][seed].update(offtask_kl=drift["kl_offtask"], text_nll=drift["text_nll"])
             general = {"path": config.evidence.general_path, "prompts": drift["offtask_prompts"],
@@ -68,6 +80,7 @@ def summarize_evidence(config: Config, folder: Path, plan: list[tuple[str, int]]
         "task": config.task.name,
         "n": config.evidence.n,
         "parts": parts,
+        "forgetting": {task: config.evidence.forgetting[i] for i, task in enumerate(forgetting)},
         "variant_number_max": config.evidence.variant_number_max if "variant" in parts else None,
         "seeds": config.evidence.seeds,
         "drift_n": config.evidence.drift_n,
@@ -105,8 +118,7 @@ def arm_summary(seeds: dict[int, dict[str, Any]]) -> dict[str, Any]:
     def per_seed(key: str) -> list[float]:
         return [s[key] if not isinstance(s[key], dict) else _mean(list(s[key].values())) for s in seeds.values()]
 
-    keys = [key for key in ("test", "variant", "drift_kl", "offtask_kl", "text_nll", "heldout_kl",
-                            "seconds_per_step", "mean_tokens") if key in next(iter(seeds.values()))]
+    keys = [key for key in next(iter(seeds.values())) if key != "steps"]
     return {"seeds": list(seeds), **{key: spread(per_seed(key)) for key in keys},
             "steps": next(iter(seeds.values()))["steps"]}
 
@@ -150,11 +162,15 @@ def evidence_markdown(summary: dict[str, Any]) -> str:
             f"reference texts of that file read as plain text, where the base's is {general['base_text_nll']:.4f}"
             if general else "") + ".", "",
         "Base: " + ", ".join(f"{part} {base[part]['accuracy']:.1%} [{base[part]['ci_low']:.1%}–"
-                             f"{base[part]['ci_high']:.1%}]" for part in parts) + f" (n={base['test']['n']}).", "",
+                             f"{base[part]['ci_high']:.1%}] (n={base[part]['n']})" for part in parts) + ".", "",
     ]
-    header = ["arm", "seeds", "test accuracy", "vs base (test)"]
-    if "variant" in parts:
-        header += ["variant accuracy", "vs base (variant)"]
+    forgetting = summary.get("forgetting") or {}
+    if forgetting:
+        lines += ["Forgetting as accuracy: the same greedy on other tasks, each against the base on the same "
+                  "problems: " + "; ".join(f"{task} (`{entry}`)" for task, entry in forgetting.items()) + ".", ""]
+    header = ["arm", "seeds"]
+    for part in parts:
+        header += [f"{part} accuracy", f"vs base ({part})"]
     header += ["KL(tuned ‖ base), task"]
     if general:
         header += ["KL(tuned ‖ base), off task", "text NLL"]
@@ -162,9 +178,9 @@ def evidence_markdown(summary: dict[str, Any]) -> str:
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for arm, a in summary["arms"].items():
         vb = summary["vs_base"][arm]
-        cells = [arm, str(len(a["seeds"])), _pct(a["test"]), _change(vb["test"])]
-        if "variant" in parts:
-            cells += [_pct(a["variant"]), _change(vb["variant"])]
+        cells = [arm, str(len(a["seeds"]))]
+        for part in parts:
+            cells += [_pct(a[part]), _change(vb[part])]
         cells += [_num(a["drift_kl"], "undefined (no answer tokens)")]
         if general:
             cells += [_num(a["offtask_kl"], "undefined (no answer tokens)"),
@@ -214,7 +230,7 @@ def plot_evidence(summary: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, len(parts), figsize=(5.5 * len(parts), 4.6), squeeze=False)
     titles = {"test": "held-out test", "variant": "held-out variant"}
     for ax, part in zip(axes[0], parts, strict=True):
-        title = titles[part]
+        title = f"{titles.get(part, part + ' (forgetting)')}, n = {summary['base'][part]['n']}"
         means = [100 * summary["arms"][a][part]["mean"] for a in arms]
         # Never negative: seeds that agree give a mean a rounding error outside their min and max.
         low = [max(0.0, m - 100 * summary["arms"][a][part]["min"]) for a, m in zip(arms, means, strict=True)]
@@ -228,7 +244,7 @@ def plot_evidence(summary: dict[str, Any], path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle("Greedy accuracy of each evidence arm, every arm trained the same steps from the same base")
     seeds = ", ".join(str(s) for s in summary.get("seeds", []))
-    fig.text(0.01, 0.01, f"n = {summary['n']} problems per arm and part; the mean over seeds {seeds} for the main "
+    fig.text(0.01, 0.01, f"The same problems for every arm in a part; the mean over seeds {seeds} for the main "
              "arms (error bars: min–max), the first seed for the others", fontsize=8)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     tmp = path.with_name(path.name + ".tmp.png")
