@@ -288,14 +288,16 @@ class VllmEngine:
 
     def mix(self, x_ids: Sequence[Sequence[int]], x2_ids: Sequence[Sequence[int]], seeds: Sequence[int], lam: float,
             topk: int, policy: SamplingPolicy, stop_ids: Sequence[int], max_tokens: int) -> list[MixedRedo]:
-        """Decode every example from p_mix of its two contexts, as a pair of requests; split pairs are retried."""
+        """Decode every example from p_mix of its two contexts, as a pair of requests; split pairs are retried. At
+        λ = 0 or 1, p_mix is one context's distribution exactly: that context alone is one request (vllm_pairs.py)."""
         done: dict[int, MixedRedo] = {}
         todo = list(range(len(x_ids)))
         retries = dict.fromkeys(todo, 0)
+        roles = ([("single", x2_ids if lam == 0 else x_ids)] if lam in (0, 1)
+                 else [("x2", x2_ids), ("x", x_ids)])  # x2, the longer, first: vLLM chunks the last admitted
         for _ in range(self.settings.max_retries + 1):
-            for wave in self._waves(todo, x_ids, x2_ids):
-                done.update(self._mix_wave(wave, x_ids, x2_ids, seeds, lam, topk, policy, stop_ids, max_tokens,
-                                           retries))
+            for wave in self._waves(todo, roles):
+                done.update(self._mix_wave(wave, roles, seeds, lam, topk, policy, stop_ids, max_tokens, retries))
             todo = [i for i in todo if i not in done]
             if not todo:
                 return [done[i] for i in range(len(x_ids))]
@@ -308,13 +310,13 @@ class VllmEngine:
             "lower vllm.max_num_seqs"
         )
 
-    def _waves(self, todo: list[int], x_ids, x2_ids) -> list[list[int]]:
-        """Pairs packed so that a wave has at most max_num_seqs // 2 pairs and its prompts fit one step's budget."""
+    def _waves(self, todo: list[int], roles: list) -> list[list[int]]:
+        """Pairs packed so that a wave's requests fit max_num_seqs and its prompts one step's budget."""
         waves: list[list[int]] = []
         tokens = 0
         for i in todo:
-            need = len(x_ids[i]) + len(x2_ids[i])
-            full = waves and (len(waves[-1]) >= self.settings.max_num_seqs // 2
+            need = sum(len(contexts[i]) for _, contexts in roles)
+            full = waves and (len(waves[-1]) >= self.settings.max_num_seqs // len(roles)
                               or tokens + need > self.settings.max_num_batched_tokens)
             if not waves or full:
                 waves.append([])
@@ -323,8 +325,8 @@ class VllmEngine:
             tokens += need
         return waves
 
-    def _mix_wave(self, wave, x_ids, x2_ids, seeds, lam, topk, policy, stop_ids, max_tokens,
-                  retries) -> dict[int, MixedRedo]:
+    def _mix_wave(self, wave, roles, seeds, lam, topk, policy, stop_ids, max_tokens, retries
+                  ) -> dict[int, MixedRedo]:
         from redumix.generate.vllm_pairs import LEDGER, PairLog
 
         keys = {i: f"pair-{next(self._serial)}" for i in wave}
@@ -332,21 +334,21 @@ class VllmEngine:
         for i in wave:
             LEDGER[keys[i]] = PairLog()
             spec = {"key": keys[i], "seed": int(seeds[i]), "lam": float(lam), "topk": int(topk)}
-            # x2, the longer prompt, first: vLLM admits requests in order, so a tight budget chunks x2, not x.
-            for role, ids in (("x2", x2_ids[i]), ("x", x_ids[i])):
-                prompts.append(list(ids))
+            for role, contexts in roles:  # vLLM admits requests in order, so a tight budget chunks x2, not x
+                prompts.append(list(contexts[i]))
                 params.append(self._params(policy, stop_ids, max_tokens, {**spec, "role": role}))
         outputs = self._run(prompts, params)
         done = {}
+        width = len(roles)
         for j, i in enumerate(wave):
             log = LEDGER.pop(keys[i])
-            x2_out, x_out = (list(o.outputs[0].token_ids) for o in outputs[2 * j: 2 * j + 2])
-            drawn = [log.draws.get(t) for t in range(len(x_out))]
-            stray = any(d is None or d[0] != tok for d, tok in zip(drawn, x_out, strict=True))  # undrawn tokens
-            if log.split or x_out != x2_out or stray:
+            *others, out = (list(o.outputs[0].token_ids) for o in outputs[width * j: width * (j + 1)])
+            drawn = [log.draws.get(t) for t in range(len(out))]
+            stray = any(d is None or d[0] != tok for d, tok in zip(drawn, out, strict=True))  # undrawn tokens
+            if log.split or any(other != out for other in others) or stray:
                 continue  # a split pair: retried by `mix`, never returned
-            done[i] = MixedRedo(generation_from(x_out, stop_ids, 2), [d[1] for d in drawn], [d[2] for d in drawn],
-                                [d[3] for d in drawn], retries[i])
+            done[i] = MixedRedo(generation_from(out, stop_ids, width), [d[1] for d in drawn],
+                                [d[2] for d in drawn], [d[3] for d in drawn], retries[i])
         return done
 
     def _params(self, policy: SamplingPolicy, stop_ids: Sequence[int], max_tokens: int, spec: dict | None):

@@ -14,6 +14,10 @@ draws up to float rounding. vLLM then sees a row with one finite logit and, at t
 requests tagged with role `solo` are drawn the same way from their own row (the harvest's attempt, critique and
 reflection), so every stage of a vLLM harvest samples with the Hugging Face harvest's noise.
 
+At λ = 0 or 1 the mixture is one context's distribution exactly (`mixture_topk`'s ends), so the engine sends that
+context alone as one request of role `single`, and the processor treats its row as both members of its pair:
+p_mix, its top-k and tail, and the draw are the pair's, at half the decoding.
+
 A pair is split when vLLM does not decode both members in one step: one is waiting or preempted (absent partner),
 their output lengths differ, or one drew from half-prefilled logits (chunked prefill discards that row's token, so
 the lengths differ from the next step on). vLLM never promises to keep a pair in step, so the processor checks at
@@ -51,7 +55,7 @@ LEDGER: dict[str, PairLog] = {}
 @dataclass
 class _Row:
     key: str
-    role: str  # "x", "x2" or "solo"
+    role: str  # "x", "x2", "single" (λ 0 or 1: the one context p_mix reads) or "solo"
     spec: dict  # the request's extra_args[TAG]: seed, policy, and for a pair λ and top-k
     out: list[int]  # vLLM's live list of the request's output ids: its length is the index of the next draw
 
@@ -87,17 +91,18 @@ class PairMixer(LogitsProcessor):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.rows:
             return logits
-        solos, pairs = [], {}
+        solos, pairs, in_step = [], {}, []
         for index, row in self.rows.items():
             if index >= logits.shape[0]:
                 continue
             if row.role == "solo":
                 solos.append((index, row))
+            elif row.role == "single":  # both members of its pair: it cannot split
+                in_step.append(((index, row), (index, row), LEDGER.setdefault(row.key, PairLog())))
             else:
                 pairs.setdefault(row.key, {})[row.role] = (index, row)
         if solos:
             self._draw_solos(logits, solos)
-        in_step = []
         for key, members in pairs.items():
             log = LEDGER.setdefault(key, PairLog())
             x, x2 = members.get("x"), members.get("x2")

@@ -135,6 +135,22 @@ def test_lambda_half_matches_the_hf_mixture_loop_with_its_stored_targets(case):
         assert r.retries == 0
 
 
+@pytest.mark.parametrize("lam", [0.0, 1.0])
+def test_at_lambda_zero_or_one_one_request_gives_the_pairs_draws_and_targets_at_half_the_decoding(case, lam):
+    """p_mix is then one context's distribution: vLLM decodes that context alone, and every token, stored top-k and
+    tail is the Hugging Face mixture loop's, which decodes both."""
+    policy = SamplingPolicy(temperature=1.0, max_new_tokens=MAX_NEW)
+    ours = case.engine.mix(case.x, case.x2, SEEDS, lam, 5, policy, case.stop, MAX_NEW)
+    theirs = _hf_mix(case, lam, policy)
+    for r, (gen, ids, lps, tail) in zip(ours, theirs, strict=True):
+        assert r.generation.token_ids == gen.token_ids and r.topk_ids == ids
+        assert torch.allclose(torch.tensor(r.topk_logprobs), torch.tensor(lps), atol=1e-4)
+        assert torch.allclose(torch.tensor(r.tail_logprobs), torch.tensor(tail), atol=1e-4)
+        assert r.generation.usage.fpe == r.generation.cached  # one context read a token, not two
+    half = case.engine.mix(case.x, case.x2, SEEDS, 0.5, 5, policy, case.stop, MAX_NEW)
+    assert all(r.generation.usage.fpe == 2 * r.generation.cached for r in half)
+
+
 def test_sampled_redo_is_the_same_whatever_else_is_in_the_batch(case):
     policy = SamplingPolicy(temperature=1.0, max_new_tokens=MAX_NEW)
     alone = case.engine.mix(case.x[:1], case.x2[:1], SEEDS[:1], 0.5, 5, policy, case.stop, MAX_NEW)[0]
