@@ -10,6 +10,7 @@ decoding exactly and λ=0 reproduces decoding from x2 exactly.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 from transformers import PreTrainedModel
@@ -17,6 +18,8 @@ from transformers import PreTrainedModel
 from redumix.generate.loop import Choice, ChooseFn, Generation, decode_loop
 from redumix.generate.policy import SamplingPolicy, policy_logprobs, sample_tokens
 from redumix.generate.state import DecodeState, merge
+
+T = TypeVar("T")
 
 
 def mixture_topk(
@@ -48,13 +51,20 @@ def mixture_topk(
     return mix, top, tail
 
 
+def mixture_contexts(lam: float, x_context: T, x2_context: T) -> list[T]:
+    """The contexts p_mix reads: both, or at λ = 0 or 1 the one it is exactly (`mixture_topk`), so that a loop
+    decodes half the rows there."""
+    return [x2_context] if lam == 0 else [x_context] if lam == 1 else [x_context, x2_context]
+
+
 def mixture_choice(lam: float, topk: int, policy: SamplingPolicy, seeds: torch.Tensor) -> ChooseFn:
-    """The mixture's choice rule over a batch of 2n rows (x's n, then x2's): the token drawn from p_mix, and p_mix's
-    top-k ids, their log-probs and the tail logged. The dynamic loop and the static one (static_cache.py) share it."""
+    """The mixture's choice rule over a batch of 2n rows (x's n, then x2's), or of n rows of the one context
+    `mixture_contexts` keeps: the token drawn from p_mix, and p_mix's top-k ids, their log-probs and the tail logged.
+    The dynamic loop and the static one (static_cache.py) share it."""
 
     def choose(logits: torch.Tensor, live: torch.Tensor, step: int | torch.Tensor) -> Choice:
-        half = logits.shape[0] // 2  # rows 0..n-1 hold x, rows n..2n-1 hold x2
-        mix, top, tail = mixture_topk(logits[:half], logits[half:], lam, topk)
+        n = live.shape[0]  # rows 0..n-1 hold x and the last n x2; with one context they are the same rows
+        mix, top, tail = mixture_topk(logits[:n], logits[-n:], lam, topk)
         if policy.greedy:
             tokens = mix.argmax(dim=-1)
         else:
@@ -75,13 +85,16 @@ def mixture_loop(
     stop_ids: Sequence[int],
     max_new_tokens: int | None = None,
 ) -> list[tuple[Generation, list[list[int]], list[list[float]], list[float]]]:
-    """Decode B examples from the mixture of their two contexts, one batched forward of 2B rows per token.
+    """Decode B examples from the mixture of their two contexts, one batched forward of 2B rows per token (of B at
+    λ = 0 or 1, where p_mix is one context's distribution).
 
     Returns, per example, the generation and, at every emitted token, the top-k ids and log-probs of p_mix and
     the log of its mass outside the top-k. That tail is a logsumexp over the other ids, not 1 − Σp:
     the difference cancels when the top-k holds nearly all the mass.
     """
     tokens = max_new_tokens or policy.max_new_tokens
-    state = merge([x_context, x2_context], room=tokens)  # the loop feeds at most tokens − 1 more
-    result = decode_loop(model, state, mixture_choice(lam, topk, policy, seeds), stop_ids, tokens, contexts=2)
+    read = mixture_contexts(lam, x_context, x2_context)
+    state = merge(read, room=tokens)  # the loop feeds at most tokens − 1 more
+    result = decode_loop(model, state, mixture_choice(lam, topk, policy, seeds), stop_ids, tokens,
+                         contexts=len(read))
     return [(gen, *logged) for gen, logged in zip(result.generations, result.logged, strict=True)]

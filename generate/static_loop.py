@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedModel
 
 from redumix.generate.loop import Choice, ChooseFn, Generation, LoopResult, generation_from
-from redumix.generate.mixture import mixture_choice
+from redumix.generate.mixture import mixture_choice, mixture_contexts
 from redumix.generate.plain import plain_choice
 from redumix.generate.policy import SamplingPolicy
 from redumix.generate.state import DecodeState
@@ -164,7 +164,8 @@ def static_mixture_loop(
 ) -> list[tuple[Generation, list[list[int]], list[list[float]], list[float]]]:
     """`mixture_loop` on the static path: x's and x2's rows in one static cache, one forward of 2B rows a token."""
     tokens = max_new_tokens or policy.max_new_tokens
-    contexts = static_contexts([x_context, x2_context], room=tokens - 1)
+    read = mixture_contexts(lam, x_context, x2_context)
+    contexts = static_contexts(read, room=tokens - 1)
     choose = mixture_choice(lam, topk, policy, seeds.to(contexts.mask.device))
-    result = static_loop(model, contexts, choose, stop_ids, tokens, contexts_per_example=2, graphs=graphs)
+    result = static_loop(model, contexts, choose, stop_ids, tokens, contexts_per_example=len(read), graphs=graphs)
     return [(gen, *logged) for gen, logged in zip(result.generations, result.logged, strict=True)]

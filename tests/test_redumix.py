@@ -104,10 +104,11 @@ def test_lambda_at_an_end_is_that_context_exactly(lam):
     assert not (mix.isnan().any() or top.values.isnan().any() or tail.isnan().any())
 
 
-def test_mixture_is_the_normalised_geometric_mean(tiny_chat_model):
-    """At the first redo token, the stored p_mix equals softmax(λ log p1 + (1-λ) log p2), computed by hand."""
+@pytest.mark.parametrize("lam", [0.3, 0.0, 1.0])
+def test_mixture_is_the_normalised_geometric_mean(tiny_chat_model, lam):
+    """At the first redo token, the stored p_mix equals softmax(λ log p1 + (1-λ) log p2), computed by hand; at λ = 0
+    or 1 the loop decodes one context, and the stored p_mix is still the formula's."""
     model, tok = tiny_chat_model
-    lam = 0.3
     [res] = run(model, tok, lam=lam, prompts=PROMPTS[:1], ids=IDS[:1], topk=len(tok))
     x = prompt_ids(tok, attempt_messages(PROMPTS[0]))
     pieces = template_pieces(tok, redo_messages(PROMPTS[0], res.original, res.feedback, res.reflection))
@@ -121,12 +122,12 @@ def test_mixture_is_the_normalised_geometric_mean(tiny_chat_model):
     torch.testing.assert_close(stored, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("feedback", ["verifier", "self"])
-def test_reported_fpe_equals_forward_counter(tiny_chat_model, feedback):
+@pytest.mark.parametrize(("feedback", "lam"), [("verifier", 0.5), ("self", 0.5), ("verifier", 0.0)])
+def test_reported_fpe_equals_forward_counter(tiny_chat_model, feedback, lam):
     model, tok = tiny_chat_model
     with ForwardCounter(model) as counter:
         results = run(
-            model, tok, lam=0.5, policy=SamplingPolicy(temperature=1.0, max_new_tokens=12), feedback=feedback
+            model, tok, lam=lam, policy=SamplingPolicy(temperature=1.0, max_new_tokens=12), feedback=feedback
         )
     assert sum(r.usage.fpe for r in results) == counter.tokens
     assert all(r.usage.prefill_tokens > 0 for r in results)

@@ -77,7 +77,7 @@ def test_plain_decoding_equals_the_dynamic_loop_and_hands_back_the_same_state(mo
 
 
 @pytest.mark.parametrize("policy", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("lam", [0.5, 1.0])
+@pytest.mark.parametrize("lam", [0.5, 1.0, 0.0])
 def test_the_mixture_equals_the_dynamic_loop_with_its_stored_log_probs_within_1e5(model, policy, lam):
     x, x2 = x_and_x2()
     seeds, stop = torch.arange(5) + 9, stops_for(model, x, policy)

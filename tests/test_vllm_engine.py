@@ -138,7 +138,7 @@ def test_lambda_half_matches_the_hf_mixture_loop_with_its_stored_targets(case):
 @pytest.mark.parametrize("lam", [0.0, 1.0])
 def test_at_lambda_zero_or_one_one_request_gives_the_pairs_draws_and_targets_at_half_the_decoding(case, lam):
     """p_mix is then one context's distribution: vLLM decodes that context alone, and every token, stored top-k and
-    tail is the Hugging Face mixture loop's, which decodes both."""
+    tail is the Hugging Face mixture loop's (whose own one-context path tests/test_redumix.py checks by hand)."""
     policy = SamplingPolicy(temperature=1.0, max_new_tokens=MAX_NEW)
     ours = case.engine.mix(case.x, case.x2, SEEDS, lam, 5, policy, case.stop, MAX_NEW)
     theirs = _hf_mix(case, lam, policy)
