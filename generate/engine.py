@@ -76,8 +76,9 @@ class Engine(Protocol):
         (the contexts may be used up)."""
         ...
 
-    def fork(self, contexts: Contexts) -> Contexts:
-        """A copy that decoding from leaves `contexts` as they are."""
+    def fork(self, contexts: Contexts, rows: Sequence[int] | None = None) -> Contexts:
+        """A copy that decoding from leaves `contexts` as they are: of every row, or of `rows` in that order (a row
+        may come several times: the redos of one shared attempt)."""
         ...
 
     def reopen(self, contexts: Contexts, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> Contexts:

@@ -67,8 +67,8 @@ class HfEngine:
             result = sample_loop(self.model, contexts, policy, seeds_t, self.stop_ids, max_tokens, keep_state=keep)
         return result.generations, result.state
 
-    def fork(self, contexts: DecodeState) -> DecodeState:
-        return clone(contexts)
+    def fork(self, contexts: DecodeState, rows: Sequence[int] | None = None) -> DecodeState:
+        return clone(contexts) if rows is None else select(contexts, list(rows))
 
     @torch.no_grad()
     def reopen(self, contexts: DecodeState, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> DecodeState:

@@ -134,15 +134,24 @@ def redumix_generate(
     policy: SamplingPolicy,
     seed: int,
     feedback: FeedbackFn | None,
+    redos: Sequence[tuple[int, str]] | None = None,
 ) -> list[RedumixResult]:
-    """Run the four ReDuMix stages on a batch of prompts. Each example's noise derives from `seed` and its id."""
+    """Run the four ReDuMix stages on a batch of prompts. Each example's noise derives from `seed` and its id.
+
+    `redos`: the redos to draw, each (the prompt it redoes, the id its noise derives from); by default one per
+    prompt with the prompt's id. Several of one prompt share its stages 1-3, decoded once (a harvest's attempts of a
+    problem, when those stages are greedy and so the same for each); each result counts the shared stages' usage."""
     stages, x_context, x2_context, usage = redo_contexts(engine, prompts, example_ids, config, policy, seed, feedback)
-    redos = engine.mix_redo(x_context, x2_context, stage_seeds(seed, example_ids, "redo"), config.lam, config.topk,
-                            redo_policy(config, policy))
+    redos = list(enumerate(example_ids)) if redos is None else list(redos)
+    rows = [i for i, _ in redos]
+    if rows != list(range(len(prompts))):
+        x_context, x2_context = engine.fork(x_context, rows), engine.fork(x2_context, rows)
+    found = engine.mix_redo(x_context, x2_context, stage_seeds(seed, [key for _, key in redos], "redo"), config.lam,
+                            config.topk, redo_policy(config, policy))
     mode = "self" if feedback is None else config.feedback
     results = []
-    for i, redo in enumerate(redos):
-        result = redo_result(stages, i, redo, usage[i], config.lam, mode, engine)
+    for i, redo in zip(rows, found, strict=True):
+        result = redo_result(stages, i, redo, replace(usage[i]), config.lam, mode, engine)
         result.meta["engine"] = {"name": engine.name, "retries": redo.retries}
         results.append(result)
     return results

@@ -257,8 +257,8 @@ class VllmEngine:
         grown = [ids + g.token_ids[: g.cached] for ids, g in zip(contexts, gens, strict=True)] if keep else None
         return gens, grown
 
-    def fork(self, contexts: list[list[int]]) -> list[list[int]]:
-        return [list(ids) for ids in contexts]
+    def fork(self, contexts: list[list[int]], rows: Sequence[int] | None = None) -> list[list[int]]:
+        return [list(contexts[i]) for i in (range(len(contexts)) if rows is None else rows)]
 
     def reopen(self, contexts: list[list[int]], rows: Sequence[int], prompts: Sequence[Sequence[int]]
                ) -> list[list[int]]:

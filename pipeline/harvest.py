@@ -32,6 +32,7 @@ from redumix.data.shards import (
 )
 from redumix.data.task import Example, Task, grader_of
 from redumix.data.tasks import make_task
+from redumix.generate.engine import Engine
 from redumix.generate.redumix import FeedbackFn, RedumixResult, redumix_generate, task_feedback
 from redumix.pipeline.config import Config
 from redumix.pipeline.embedded_stage import ensure_embedded
@@ -168,9 +169,7 @@ def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Examp
             began = time.perf_counter()
             first = k * size + start  # the batch's place in `examples`, where each example comes `attempts` times
             tries = [(first + i) % config.harvest.attempts for i in range(len(batch))]
-            results = redumix_generate(engine, [e.prompt for e in batch],
-                                       [seed_key(e.id, j) for e, j in zip(batch, tries, strict=True)],
-                                       config.redumix, config.sampling, config.seed, feedback_fn(config, task, batch))
+            results = redo_batch(engine, config, task, batch, tries)
             seconds = (time.perf_counter() - began) / len(batch)
             made = [make_row(e, r, config, task, str(path), seconds, j)
                     for e, r, j in zip(batch, results, tries, strict=True)]
@@ -184,6 +183,23 @@ def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Examp
             log_metrics(run.metrics, "harvest", shard=k, rows=len(rows))
     bar.close()
     engine.close()
+
+
+def redo_batch(engine: Engine, config: Config, task: Task, batch: list[Example], tries: list[int]
+               ) -> list[RedumixResult]:
+    """ReDuMix on a batch of rows, row i attempt tries[i] of its example. With a greedy attempt, critique and
+    reflection (`sampling` greedy), a problem's attempts differ only in their redo: its stages 1-3 are decoded once,
+    from its first row in the batch, and every row draws its own redo from them."""
+    keys = [seed_key(e.id, j) for e, j in zip(batch, tries, strict=True)]
+    if config.harvest.attempts == 1 or not config.sampling.greedy:
+        return redumix_generate(engine, [e.prompt for e in batch], keys, config.redumix, config.sampling,
+                                config.seed, feedback_fn(config, task, batch))
+    ids = [e.id for e in batch]
+    distinct = list({e.id: e for e in batch}.values())  # in the order of their first rows
+    place = {e.id: i for i, e in enumerate(distinct)}
+    return redumix_generate(engine, [e.prompt for e in distinct], [keys[ids.index(e.id)] for e in distinct],
+                            config.redumix, config.sampling, config.seed, feedback_fn(config, task, distinct),
+                            redos=[(place[e.id], key) for e, key in zip(batch, keys, strict=True)])
 
 
 def seed_key(example_id: str, attempt: int) -> str:

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import datasets
 import pytest
+import torch
 
 from redumix.data.shards import iter_rows, shard_paths
+from redumix.data.tasks import make_task
 from redumix.pipeline.cli import main
 from redumix.pipeline.config import load_config
 from redumix.pipeline.harvest import run_harvest
@@ -198,6 +200,36 @@ def test_the_redo_instruction_and_temperature_are_the_harvests_levers(tmp_path, 
     assert any(b["redo"] != c["redo"] for b, c in zip(answer, sampled, strict=True))  # the redo alone is drawn
     settings = json.loads((tmp_path / "sampled" / "harvest" / "fingerprint.json").read_text())["record"]
     assert settings["redumix"]["instruction"] == "answer" and settings["redumix"]["redo_temperature"] == 1.0
+
+
+def test_greedy_attempts_of_a_problem_share_their_stages_and_give_the_rows_decoded_alone(tiny_chat_model):
+    """With a greedy attempt, critique and reflection, a problem's attempts differ only in the redo: a batch decodes
+    stages 1-3 once per problem in it, and each row is the row decoded on its own, with its own redo."""
+    from redumix.generate.accounting import ForwardCounter
+    from redumix.generate.hf_engine import HfEngine
+    from redumix.generate.redumix import redumix_generate
+    from redumix.pipeline.harvest import feedback_fn, redo_batch, seed_key
+
+    model, tokenizer = tiny_chat_model
+    config = load_config(ROOT / "recipes" / "tiny.yaml", [*SMALL, "sampling.temperature=0.0", "harvest.attempts=3",
+                                                          "redumix.redo_temperature=1.0"])
+    task = make_task(config.task, config.seed)
+    first, second = task.examples("train", 2)
+    batch, tries = [first, first, first, second, second], [0, 1, 2, 0, 1]  # the third of `second` is the next batch's
+    engine = HfEngine(model, tokenizer)
+    with torch.no_grad(), ForwardCounter(model) as shared_count:
+        shared = redo_batch(engine, config, task, batch, tries)
+    with torch.no_grad(), ForwardCounter(model) as alone_count:
+        alone = [redumix_generate(engine, [e.prompt], [seed_key(e.id, j)], config.redumix, config.sampling,
+                                  config.seed, feedback_fn(config, task, [e]))[0]
+                 for e, j in zip(batch, tries, strict=True)]
+    for s, a in zip(shared, alone, strict=True):
+        assert (s.original, s.feedback, s.reflection, s.redo_token_ids, s.topk_ids, s.x2_ids) == (
+            a.original, a.feedback, a.reflection, a.redo_token_ids, a.topk_ids, a.x2_ids)
+        torch.testing.assert_close(torch.tensor(s.topk_logprobs), torch.tensor(a.topk_logprobs), atol=1e-5, rtol=0)
+        assert s.usage == a.usage  # each row counts what its row cost alone
+    assert len({tuple(r.redo_token_ids) for r in shared[:3]}) > 1  # three redos of one attempt
+    assert shared_count.tokens < alone_count.tokens  # the stages of two problems decoded once each, not five times
 
 
 def test_attempts_harvest_each_example_that_many_times_the_first_as_a_one_attempt_harvest(tmp_path, model_dir):
