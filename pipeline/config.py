@@ -48,7 +48,8 @@ class HarvestConfig:
     attempts: int = field(
         default=1,
         metadata={"help": "Rows per example, each with its own seeds (n·attempts rows): more rows from a small split. "
-                  "The first attempt's seeds are a one-attempt harvest's."},
+                  "The first attempt's seeds are a one-attempt harvest's. With `sampling` greedy, an example's "
+                  "rows share its attempt, critique and reflection (decoded once a batch) and differ in the redo."},
     )
 
     def __post_init__(self) -> None:
