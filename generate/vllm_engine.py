@@ -311,13 +311,14 @@ class VllmEngine:
         )
 
     def _waves(self, todo: list[int], roles: list) -> list[list[int]]:
-        """Pairs packed so that a wave's requests fit max_num_seqs and its prompts one step's budget."""
+        """Pairs packed so that a wave's requests fit max_num_seqs and its prompts one step's budget (so that both
+        members prefill in one step); single requests cannot split, so max_num_seqs alone bounds their waves."""
         waves: list[list[int]] = []
         tokens = 0
+        budget = self.settings.max_num_batched_tokens if len(roles) == 2 else float("inf")
         for i in todo:
             need = sum(len(contexts[i]) for _, contexts in roles)
-            full = waves and (len(waves[-1]) >= self.settings.max_num_seqs // len(roles)
-                              or tokens + need > self.settings.max_num_batched_tokens)
+            full = waves and (len(waves[-1]) >= self.settings.max_num_seqs // len(roles) or tokens + need > budget)
             if not waves or full:
                 waves.append([])
                 tokens = 0

@@ -39,7 +39,9 @@ _SAFE_NAME = re.compile(r"(?!\.{1,2}$)[A-Za-z0-9._-]+")
 class HarvestConfig:
     n: int = field(default=3000, metadata={"help": "Examples to harvest."})
     split: Literal["train", "test"] = field(default="train", metadata={"help": "Task split to harvest from."})
-    batch_size: int = field(default=32, metadata={"help": "Examples decoded together."})
+    batch_size: int = field(default=32, metadata={
+        "help": "Rows decoded together. More than shard_rows decodes several shards at once (each written whole, "
+                "the group the unit of resume): fewer steps where a step costs about the same for more rows."})
     shard_rows: int = field(default=256, metadata={"help": "Rows per Arrow shard (a shard is the unit of resume)."})
     skip: int = field(
         default=0,

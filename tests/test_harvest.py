@@ -128,6 +128,21 @@ def test_a_foreign_shard_with_the_right_row_count_is_redone_and_named(tmp_path, 
     assert "shard-00001.arrow was made with another config" in out and "shard-00000.arrow" not in out
 
 
+def test_a_batch_of_several_shards_gives_the_rows_of_one_shard_at_a_time(tmp_path, model_dir):
+    """batch_size over shard_rows decodes whole shards together (here three of two rows, then the last alone); each
+    shard is written whole, its rows those of a shard-sized batch, and a lost shard is redone alone."""
+    alone = comparable(harvest(tmp_path / "alone", model_dir))  # batch 2 = shard_rows 2
+    together = harvest(tmp_path / "together", model_dir, "harvest.batch_size=6")
+    assert rows_differ(comparable(together), alone) == []  # the stored floats to their tolerance (batch rounding)
+    batch_seconds = [json.loads(r["meta"])["seconds"] for r in together]  # a batch's time over its rows
+    assert len(set(batch_seconds[:6])) == 1 and batch_seconds[6] != batch_seconds[0]  # shards 0-2 in one batch
+    (tmp_path / "together" / "harvest" / "shard-00002.arrow").unlink()
+    assert rows_differ(comparable(harvest(tmp_path / "together", model_dir, "harvest.batch_size=6")), alone) == []
+    three = harvest(tmp_path / "three", model_dir, "harvest.n=3", "harvest.attempts=3", "harvest.batch_size=4")
+    three_alone = harvest(tmp_path / "three-alone", model_dir, "harvest.n=3", "harvest.attempts=3")
+    assert rows_differ(comparable(three), comparable(three_alone)) == []
+
+
 def test_killed_harvest_resumes_to_the_same_rows(tmp_path, model_dir):
     # Both processes run on one thread: the killed one writes some shards and this one the rest, and float32 results
     # depend on the thread count (CI once saw a tail log-prob differ in its 7th digit between the two processes).
