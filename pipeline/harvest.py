@@ -158,7 +158,11 @@ def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Examp
     path = model_path(config.model.path, run)
     engine = open_engine(config, path)
     size = config.harvest.shard_rows
-    total = sum(len(examples[k * size : (k + 1) * size]) for k in shards)
+
+    def places_of(k: int) -> range:  # shard k's rows, by their place in `examples`
+        return range(k * size, min((k + 1) * size, len(examples)))
+
+    total = sum(len(places_of(k)) for k in shards)
     bar = tqdm(total=total, desc=f"harvest[rank {rank()}]", unit="ex", disable=rank() != 0 and world_size() > 1)
     redos_right = redos_done = 0  # the bar's running redo accuracy over this run's shards, not the current one's
     # A batch larger than a shard decodes several whole shards together: an engine whose step costs about the same
@@ -167,7 +171,7 @@ def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Examp
     per_batch = max(1, config.harvest.batch_size // size)
     for g in range(0, len(shards), per_batch):
         group = shards[g : g + per_batch]
-        places = [i for k in group for i in range(k * size, min((k + 1) * size, len(examples)))]
+        places = [i for k in group for i in places_of(k)]
         rows: dict[int, dict] = {}  # place in `examples` -> its row
         for start in range(0, len(places), config.harvest.batch_size):
             here = places[start : start + config.harvest.batch_size]
@@ -185,7 +189,7 @@ def harvest_shards(config: Config, run: RunDir, task: Task, examples: list[Examp
             bar.set_postfix(redo_acc=f"{redos_right / redos_done:.3f}")
         for k in group:
             if writes:
-                shard_rows = [rows[i] for i in range(k * size, min((k + 1) * size, len(examples)))]
+                shard_rows = [rows[i] for i in places_of(k)]
                 atomic_write_bytes(run.harvest / shard_name(k), encode_shard(shard_rows))
                 log_metrics(run.metrics, "harvest", shard=k, rows=len(shard_rows))
     bar.close()
