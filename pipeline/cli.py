@@ -40,7 +40,7 @@ DECODER_SECTIONS = tuple(dict.fromkeys(e.section[0] for e in DECODERS.values() i
 SECTIONS: dict[str, tuple[str, ...]] = {
     "embedded": ("model", "embedded", "task"),
     "harvest": ("model", "embedded", "task", "sampling", "redumix", "harvest", "vllm"),
-    "train": ("model", "embedded", "task", "harvest", "train"),
+    "train": ("model", "embedded", "task", "redumix", "harvest", "train"),
     "eval": ("model", "embedded", "task", "sampling", *DECODER_SECTIONS, "eval", "vllm"),
     "export": (),
     "calibrate": ("model", "embedded", "task", "sampling", "reflective", "eval"),

@@ -10,11 +10,14 @@ SDFTTrainer instead (train/sdft.py): the student's own samples, a teacher shown 
   metrics.json               written last: held-out KL of base and merged model, losses, counts, wall time
 A rerun after a kill resumes from the last checkpoint. A rerun after metrics.json exists does nothing, unless the
 base or the harvest it records in `inputs` changed since (pipeline/lineage.py): then it trains again from the start.
+Either way the model's own settings (`train_settings`, kept in settings.json) must be those it was trained with: a
+rerun with another learning rate, seed or loss is refused, naming the keys, rather than resumed or called complete.
 Multi-process runs come from torchrun (see the Makefile); `train.deepspeed` selects a ZeRO config in recipes/.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from pathlib import Path
@@ -31,10 +34,10 @@ from redumix.data.tasks import make_task
 from redumix.embedded import CONTEXT_ONLY, replay_conversations
 from redumix.generate.model_io import load_tokenizer, load_weights, stop_token_ids
 from redumix.generate.policy import SamplingPolicy
-from redumix.pipeline.config import Config
-from redumix.pipeline.harvest_folder import check_harvest
+from redumix.pipeline.config import Config, load_config
+from redumix.pipeline.harvest_folder import check_harvest, claim_settings
 from redumix.pipeline.lineage import changed_inputs, harvest_id, model_id
-from redumix.pipeline.resolve import config_to_yaml
+from redumix.pipeline.resolve import ConfigError, config_to_yaml
 from redumix.pipeline.run import EMBEDDED, RunDir, model_path
 from redumix.train.data import (
     build_examples,
@@ -63,6 +66,8 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
     if tc.more_harvests:
         inputs["more_harvests"] = [harvest_id(folder) for folder in harvest_dirs[1:]]
     marker = run.train / "metrics.json"
+    if not changed_inputs(recorded_inputs(run.train), inputs):  # what is here was made from these inputs
+        claim_train_settings(config, run.train)
     if marker.is_file() and not changed_inputs(read_json(marker).get("inputs"), inputs):
         print0(f"train: already complete ({marker}); delete {run.train} to train again")
         return read_json(marker)
@@ -112,6 +117,7 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
             f"({len(harvested)} harvested, {len(rows)} selected); try train.rows=all or harvest more"
         )
     forget_stale_outputs(run.train, inputs)  # the first write to train/: bad rows above leave no folder
+    claim_train_settings(config, run.train)
     if rank() == 0:
         atomic_write_text(run.train / "config.yaml", config_to_yaml(config))
 
@@ -183,6 +189,47 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
 # --- helpers --------------------------------------------------------------------------------------------------------
 
 
+def recorded_inputs(out: Path) -> dict | None:
+    """The inputs a train folder's outputs were made from (inputs.json, else the completion marker's), or None."""
+    recorded = read_json_or_none(out / "inputs.json")
+    if recorded is None and (out / "metrics.json").is_file():
+        recorded = read_json(out / "metrics.json").get("inputs")
+    return recorded
+
+
+# Train settings that change how the stage runs, not the model it makes: they may change between sittings.
+_HOW_IT_RUNS = frozenset({"harvest_dir", "more_harvests", "deepspeed", "gradient_checkpointing", "save_steps",
+                          "save_total_limit", "logging_steps", "report_to"})
+
+
+def train_settings(config: Config) -> dict[str, Any]:
+    """What the trained model depends on besides its inputs' hashes: the train section (less `_HOW_IT_RUNS`; the
+    harvests are their hashes in `inputs`), the weights' dtype, the seed, and what the arm reads from elsewhere
+    (the on-policy teacher's λ and redo, gold's solutions and replay's conversations from the task)."""
+    tc = config.train
+    settings: dict[str, Any] = {
+        "seed": config.seed, "model.dtype": config.model.dtype,
+        "train": {k: v for k, v in dataclasses.asdict(tc).items() if k not in _HOW_IT_RUNS}}
+    if tc.policy == "on_policy":
+        settings["redumix"] = dataclasses.asdict(config.redumix)
+    if tc.target == "gold" or tc.replay:
+        settings["task"] = dataclasses.asdict(config.task)
+    return settings
+
+
+def claim_train_settings(config: Config, out: Path) -> None:
+    """Refuse to resume, or to call complete, a train folder trained with other `train_settings`, naming each key
+    that differs. A folder from before settings.json is held to the config.yaml it was written with."""
+    path = out / "settings.json"
+    if not path.exists() and (out / "config.yaml").is_file():
+        try:
+            claim_settings(path, train_settings(load_config(out / "config.yaml")), "", "")
+        except ConfigError as e:  # written by a redumix whose keys this one does not know: nothing to hold it to
+            print0(f"train: {out / 'config.yaml'} no longer loads ({e}); its settings are not checked")
+    claim_settings(path, train_settings(config), "checkpoints and model",
+                   f"delete {out} to train again with these settings, or use another --run-dir")
+
+
 def forget_stale_outputs(out: Path, inputs: dict[str, str | None]) -> None:
     """Clear `out` when what it holds (finished or not) was made from other inputs, then record these inputs.
 
@@ -197,10 +244,7 @@ def forget_stale_outputs(out: Path, inputs: dict[str, str | None]) -> None:
                 raise RuntimeError(f"train: rank 0 did not record this run's inputs in {record} within 10 minutes")
             time.sleep(0.1)
         return
-    recorded = read_json_or_none(record)
-    if recorded is None and (out / "metrics.json").is_file():
-        recorded = read_json(out / "metrics.json").get("inputs")
-    changed = changed_inputs(recorded, inputs) if out.exists() and any(out.iterdir()) else []
+    changed = changed_inputs(recorded_inputs(out), inputs) if out.exists() and any(out.iterdir()) else []
     if changed:
         print0(f"train: {out} was made from another {' and '.join(changed)} than the one here now; "
                "it is stale, so it is trained again from the start")

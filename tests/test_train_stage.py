@@ -61,6 +61,13 @@ def test_stage_trains_lora_merges_and_lowers_heldout_kl(tmp_path: Path, capsys: 
 
     assert run_train(config, run) == result  # complete: skipped
     assert "already complete" in capsys.readouterr().out
+    # How it runs may change; what it trained may not, even in a folder from before settings.json (its config.yaml)
+    relogged = load_config(None, [*FAST, "train.max_steps=16", "train.save_steps=4", "train.logging_steps=2"])
+    assert run_train(relogged, run) == result
+    (run.train / "settings.json").unlink()
+    with pytest.raises(ValueError, match=r"train\.learning_rate: 0\.005 -> 0\.01.*delete .*train to train again"):
+        run_train(load_config(None, [*FAST, "train.max_steps=16", "train.learning_rate=0.01"]), run)
+    assert json.loads((run.train / "metrics.json").read_text()) == result
 
 
 def test_full_finetune_writes_merged_only(tmp_path: Path) -> None:
@@ -199,6 +206,9 @@ def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
         run_train(load_config(None, settings), broken, callbacks=[_Crash(at_step=5)])  # last checkpoint: step 4
     assert not (broken.train / "metrics.json").exists()
+    with pytest.raises(ValueError, match=r"other settings \(seed: 0 -> 1\)"):  # not resumed under another seed
+        run_train(load_config(None, [*settings, "seed=1"]), broken)
+    assert (broken.train / "checkpoints" / "checkpoint-4").is_dir()
     resumed = run_train(load_config(None, settings), broken)
     assert resumed["steps"] == 6
     assert resumed["final_loss"] == pytest.approx(result["final_loss"], abs=1e-5)
