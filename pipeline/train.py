@@ -204,16 +204,18 @@ _HOW_IT_RUNS = frozenset({"harvest_dir", "more_harvests", "deepspeed", "gradient
 
 def train_settings(config: Config) -> dict[str, Any]:
     """What the trained model depends on besides its inputs' hashes: the train section (less `_HOW_IT_RUNS`; the
-    harvests are their hashes in `inputs`), the weights' dtype, the seed, and what the arm reads from elsewhere
-    (the on-policy teacher's λ and redo, gold's solutions and replay's conversations from the task)."""
+    harvests are their hashes in `inputs`) with the seed it trains with, the weights' dtype, and what the arm reads
+    from elsewhere (the on-policy teacher's λ and redo, gold's solutions and replay's conversations)."""
     tc = config.train
-    settings: dict[str, Any] = {
-        "seed": config.seed, "model.dtype": config.model.dtype,
-        "train": {k: v for k, v in dataclasses.asdict(tc).items() if k not in _HOW_IT_RUNS}}
+    train = {k: v for k, v in dataclasses.asdict(tc).items() if k not in _HOW_IT_RUNS}
+    train["seed"] = config.seed if tc.seed < 0 else tc.seed  # the one it trains with, however it was set
+    settings: dict[str, Any] = {"model.dtype": config.model.dtype, "train": train}
     if tc.policy == "on_policy":
         settings["redumix"] = dataclasses.asdict(config.redumix)
     if tc.target == "gold" or tc.replay:
         settings["task"] = dataclasses.asdict(config.task)
+    if tc.replay:  # the run's seed draws the replayed conversations
+        settings["seed"] = config.seed
     return settings
 
 

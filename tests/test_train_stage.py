@@ -206,10 +206,10 @@ def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
         run_train(load_config(None, settings), broken, callbacks=[_Crash(at_step=5)])  # last checkpoint: step 4
     assert not (broken.train / "metrics.json").exists()
-    with pytest.raises(ValueError, match=r"other settings \(seed: 0 -> 1\)"):  # not resumed under another seed
+    with pytest.raises(ValueError, match=r"other settings \(train\.seed: 0 -> 1\)"):  # not resumed under another seed
         run_train(load_config(None, [*settings, "seed=1"]), broken)
     assert (broken.train / "checkpoints" / "checkpoint-4").is_dir()
-    resumed = run_train(load_config(None, settings), broken)
+    resumed = run_train(load_config(None, [*settings, "train.seed=0"]), broken)  # the same seed, set another way
     assert resumed["steps"] == 6
     assert resumed["final_loss"] == pytest.approx(result["final_loss"], abs=1e-5)
     a = load_file(str(whole.train / "adapter" / "adapter_model.safetensors"))
