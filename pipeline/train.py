@@ -67,10 +67,10 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
         inputs["more_harvests"] = [harvest_id(folder) for folder in harvest_dirs[1:]]
     marker = run.train / "metrics.json"
     if not changed_inputs(recorded_inputs(run.train), inputs):  # what is here was made from these inputs
-        claim_train_settings(config, run.train)
-    if marker.is_file() and not changed_inputs(read_json(marker).get("inputs"), inputs):
-        print0(f"train: already complete ({marker}); delete {run.train} to train again")
-        return read_json(marker)
+        claim_train_settings(config, run.train)  # and with these settings, or it is neither resumed nor complete
+        if marker.is_file():
+            print0(f"train: already complete ({marker}); delete {run.train} to train again")
+            return read_json(marker)
     tokenizer = load_tokenizer(model_path, config.model.trust_remote_code)
 
     # --- rows -> examples -----------------------------------------------------------------------------------------
