@@ -16,7 +16,7 @@ from redumix.pipeline.config import load_config
 from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.resolve import ConfigError
 from redumix.pipeline.run import RunDir, arm_dir
-from redumix.pipeline.studies.evidence import forgetting_tasks, run_evidence, saved_answers
+from redumix.pipeline.studies.evidence import forgetting_tasks, run_evidence, saved_answers, write_summary
 from redumix.pipeline.studies.evidence_report import evidence_markdown, paired_arms
 from tests.test_rounds import SMALL
 
@@ -97,6 +97,21 @@ def test_every_arm_trains_the_same_steps_is_measured_and_summarised(tmp_path, ti
     assert run_evidence(config, run) == summary
     assert "train: already complete" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in folder.rglob("*.safetensors")} == stamps
+    assert summary["complete"] and summary["planned"] == 9
+
+    # A sitting stopped after three arms (the mixture's two seeds and gold's first) left a table of those three,
+    # their drift not yet measured.
+    for drift in folder.glob("*/seed-*/drift.json"):
+        drift.unlink()
+    plan = [(arm, seed) for arm in ["mixture", "gold", "redo"] for seed in [0, 1]]
+    plan += [("lambda0", 0), ("feedback-none", 0), ("on-policy", 0)]
+    so_far = write_summary(config, folder, plan, 3, ["arith"])
+    assert not so_far["complete"] and so_far["arms"]["mixture"]["seeds"] == [0, 1] and list(so_far["arms"]) == [
+        "mixture", "gold"]
+    assert so_far["arms"]["gold"]["test"]["values"] == summary["arms"]["gold"]["test"]["values"][:1]
+    table = (folder / "evidence.md").read_text()
+    assert table.startswith("# Evidence so far: 3 of 9 arm-seeds measured")
+    assert table.count("| not yet measured |") == 2  # the drift cells of mixture and gold
 
 
 def test_the_base_answers_saved_for_more_questions_serve_fewer_and_never_other_ones(tmp_path) -> None:

@@ -17,7 +17,8 @@ paired bootstrap over problems.
 
 RUN_DIR/evidence/ holds one folder per harvest (`harvest-<kind>/`, the recipe's own harvest is RUN_DIR/harvest) and
 one run folder per arm and seed (`<arm>/seed-<s>/` with train/, eval/, variant/, forgetting/<task>/, drift.json).
-Every stage resumes as it does alone; `evidence.json`, `evidence.md` and `evidence.png` are written last.
+Every stage resumes as it does alone. `evidence.json`, `evidence.md` and `evidence.png` are written after each arm's
+accuracy (the table so far, its drift not yet measured) and complete at the end (`"complete": true`).
 """
 
 from __future__ import annotations
@@ -71,15 +72,28 @@ def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
         steps = steps or trained["steps"]
         eval_greedy(settings, here, here.train / "merged", checkpoint="tuned", other_tasks=other_tasks)
         trained_arms.append((settings, here))
+        # The table so far: a plan of many arms runs for days in sittings, and each arm's accuracy is worth reading
+        # the day it is measured.
+        write_summary(config, folder, plan, len(trained_arms), list(other_tasks))
     # Drift is the costliest measure (the tuned and the base model over every drift sequence; its cost is in
     # docs/real-models.md) and accuracy the first one asked, so every arm's accuracy is measured before any drift.
     for settings, here in trained_arms:
         measure_drift(settings, here, here.train / "merged", base)
-    summary = summarize_evidence(config, folder, plan, list(other_tasks))
+    summary = write_summary(config, folder, plan, len(plan), list(other_tasks), drift_measured=True)
+    print0(evidence_markdown(summary))
+    return summary
+
+
+def write_summary(config: Config, folder: Path, plan: list[tuple[str, int]], measured: int, tasks: list[str],
+                  drift_measured: bool = False) -> dict[str, Any]:
+    """evidence.json, .md and .png over the first `measured` arms of the plan; complete once every arm and its drift
+    is measured."""
+    summary = summarize_evidence(config, folder, plan[:measured], tasks)
+    summary["complete"] = measured == len(plan) and drift_measured
+    summary["planned"] = len(plan)
     atomic_write_json(folder / "evidence.json", summary)
     atomic_write_text(folder / "evidence.md", evidence_markdown(summary))
     plot_evidence(summary, folder / "evidence.png")
-    print0(evidence_markdown(summary))
     return summary
 
 

@@ -47,10 +47,13 @@ def summarize_evidence(config: Config, folder: Path, plan: list[tuple[str, int]]
     for arm, seed in plan:
         here = arm_dir(folder, arm, seed)
         trained = read_json(here.train / "metrics.json")
-        drift = read_json(here.root / "drift.json")
+        # Absent until every arm's accuracy is measured (pipeline/studies/evidence.py): a table so far has none.
+        drift = read_json(here.root / "drift.json") if (here.root / "drift.json").is_file() else {}
         runs.setdefault(arm, {})[seed] = {
             "test": _correct(greedy_records(here, "tuned")),
-            "drift_kl": drift["kl_tuned_base"],
+            "drift_kl": drift.get("kl_tuned_base"),
+            "offtask_kl": drift.get("kl_offtask"),
+            "text_nll": drift.get("text_nll"),
             "heldout_kl": trained["heldout_kl_merged"],
             "seconds_per_step": trained["seconds_per_step"],
             "steps": trained["steps"],
@@ -61,7 +64,6 @@ def summarize_evidence(config: Config, folder: Path, plan: list[tuple[str, int]]
         for task in forgetting:
             runs[arm][seed][task] = _correct(greedy_records(forgetting_dir(here, task), "base"))
         if "kl_offtask" in drift:
-            runs[arm][seed].update(offtask_kl=drift["kl_offtask"], text_nll=drift["text_nll"])
             general = {"path": config.evidence.general_path, "prompts": drift["offtask_prompts"],
                        "texts": drift["texts"], "base_text_nll": drift["text_nll_base"]}
     arms = {arm: arm_summary(seeds) for arm, seeds in runs.items()}
@@ -148,10 +150,17 @@ def evidence_markdown(summary: dict[str, Any]) -> str:
     base = summary["base"]
     parts = summary["parts"]
     general = summary.get("general")
+    complete = summary.get("complete", True)
+    not_measured = "not yet measured"
     where = (f"on {summary['n']} held-out test problems and on a task variant no arm trains on (numbers up to "
              f"{summary['variant_number_max']})" if "variant" in parts else f"on {summary['n']} held-out test prompts")
+    measured = sum(len(a["seeds"]) for a in summary["arms"].values())
     lines = [
-        "# Evidence: what the distillation target buys", "",
+        "# Evidence: what the distillation target buys" if complete else
+        f"# Evidence so far: {measured} of {summary['planned']} arm-seeds measured", "",
+        *([] if complete else [
+            "The stage has not finished: drift is measured once every arm's accuracy is, and the next run of "
+            "`redumix evidence` resumes where this one stopped.", ""]),
         f"Greedy accuracy {where}. Mean over seeds [min–max]; seeds: main arms {summary['seeds']}, others the first. "
         f"Paired changes: each seed against the same seed of `{ref}`, on the same problems, with a 95% paired "
         "bootstrap interval over problems and McNemar's exact p on the pooled discordant pairs.", "",
@@ -181,10 +190,10 @@ def evidence_markdown(summary: dict[str, Any]) -> str:
         cells = [arm, str(len(a["seeds"]))]
         for part in parts:
             cells += [_pct(a[part]), _change(vb[part])]
-        cells += [_num(a["drift_kl"], "undefined (no answer tokens)")]
+        cells += [_num(a["drift_kl"], "undefined (no answer tokens)" if complete else not_measured)]
         if general:
-            cells += [_num(a["offtask_kl"], "undefined (no answer tokens)"),
-                      _num(a["text_nll"], "undefined (no text)")]
+            cells += [_num(a["offtask_kl"], "undefined (no answer tokens)" if complete else not_measured),
+                      _num(a["text_nll"], "undefined (no text)" if complete else not_measured)]
         cells += [_num(a["heldout_kl"], "undefined (no held-out rows)"), f"{a['seconds_per_step']['mean']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"## Paired against `{ref}`", "",
