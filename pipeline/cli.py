@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from redumix.common.files import atomic_write_json, atomic_write_jsonl
+from redumix.common.files import atomic_write_json, atomic_write_jsonl, atomic_write_text
 from redumix.common.ranks import print0, rank
 from redumix.pipeline import reference
 from redumix.pipeline.claim import claimed
@@ -239,13 +239,22 @@ def stages_command(argv: list[str]) -> int:
     return 0
 
 
+# Besides the grades, what an evidence folder keeps of each model, so that `evidence.records` reads an arm-seed back
+# after its run folder is gone: its train summary and settings, its drift, and the base's answers and text loss that
+# every later arm's drift reads. Small JSON files; never weights. {file in the run folder: its name in OUT}
+KEPT_WITH_GRADES = {"train/metrics.json": "train-metrics.json", "train/settings.json": "train-settings.json",
+                    "drift.json": "drift.json", "general_answers.json": "general_answers.json",
+                    "text_nll.json": "text_nll.json"}
+
+
 def grades_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="redumix grades", description="Write an eval's per-prompt grades (id, pass, reply tokens, reply hash; "
         "no reply, no weights) to OUT: one JSON Lines file per checkpoint and decoder, and index.json with each "
         "file's model, n and accuracy, so a table can be recomputed after the run folder is gone. Given a folder of "
         "evals instead (RUN_DIR/evidence: each arm's test, variant and forgetting evals), the grades of every eval "
-        "under it, each in OUT at its place in the tree.")
+        "under it, each in OUT at its place in the tree, with each model's train summary and settings and its drift "
+        "(what `evidence.records` reads back).")
     parser.add_argument("eval_dir", type=Path, help="an eval folder (RUN_DIR/eval) with generations/*.jsonl, or a "
                         "folder with such eval folders under it")
     parser.add_argument("out", type=Path, help="where to write them, e.g. docs/records/NAME")
@@ -267,6 +276,9 @@ def grades_command(argv: list[str]) -> int:
                                   "accuracy": sum(r["correct"] for r in records) / max(len(records), 1)}
         atomic_write_json(args.out / place / "index.json", index)
         files += len(index)
+        for kept, name in KEPT_WITH_GRADES.items():
+            if (args.eval_dir / place / kept).is_file():
+                atomic_write_text(args.out / place / name, (args.eval_dir / place / kept).read_text())
     print(f"grades: {files} files of {len(found)} evals written to {args.out}")
     return 0
 

@@ -172,6 +172,13 @@ class LadderConfig:
                   "problem). From 2, the table adds, at equal samples, each redo with a resample (keep the one the "
                   "verifier passes) against two resamples; a larger count later adds samples to the records."},
     )
+    records: str | None = field(
+        default=None,
+        metadata={"help": "A folder of committed ladder grades (docs/records/ladder/NAME: grades.jsonl and "
+                  "summary.json, from an earlier sitting whose run folder is gone): the problems it holds with "
+                  "every arm are taken from it, not decoded again, and the table covers them with the rest. Its "
+                  "settings must be this ladder's. null: none."},
+    )
 
     def __post_init__(self) -> None:
         problems = [f"{name} must be >= 1" for name in ("n", "batch_size") if getattr(self, name) < 1]
@@ -233,6 +240,13 @@ class EvidenceConfig:
                   "Its task, prompt suffix, sampling and eval.n are used, the model is the arm's; the tasks must "
                   "differ. Each is a column of the table with its paired change against the base."},
     )
+    records: str | None = field(
+        default=None,
+        metadata={"help": "A folder of committed grades (`redumix grades RUN_DIR/evidence docs/records/NAME`): the "
+                  "base and every arm-seed it holds (each eval's grades, the train summary and settings, the drift "
+                  "where measured) are read from it, not trained or decoded again, so a study outlives its run "
+                  "folder. One recorded with other settings, decoder or base is said and measured again. null: none."},
+    )
 
     def __post_init__(self) -> None:
         problems = []
@@ -241,6 +255,8 @@ class EvidenceConfig:
             problems.append(f"unknown arms {unknown}; known: {', '.join(ARMS)}")
         if not self.seeds:
             problems.append("seeds must list at least one seed")
+        if not self.main_arms and not self.other_arms:
+            problems.append("main_arms and other_arms list no arm: name at least one")
         if self.rft_samples < 0:
             problems.append(f"rft_samples must be >= 0, got {self.rft_samples}")
         if self.rft_temperature is not None and self.rft_temperature <= 0:

@@ -9,6 +9,7 @@ copied or re-extracted input that is the same stays the same.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 _CHUNK = 1 << 20
@@ -26,11 +27,19 @@ def file_id(path: Path) -> str | None:
     return digest.hexdigest()[:16]
 
 
+# Keys of config.json that say which library wrote the folder, not which model it holds: the same weights saved by
+# two transformers releases (`make vllm` pins an older one) are the same model, and records made with one are its.
+_WRITER_KEYS = frozenset({"transformers_version"})
+
+
 def model_id(folder: Path) -> str | None:
-    """The hash of a model folder's weights and config.json, or None when it holds no model."""
+    """The hash of a model folder's weights and config.json (less `_WRITER_KEYS`), or None when it holds no model."""
     folder = Path(folder)
-    files = sorted(folder.glob("*.safetensors")) + [folder / "config.json"]
-    ids = [f"{f.name}:{file_id(f)}" for f in files if f.is_file()]
+    ids = [f"{f.name}:{file_id(f)}" for f in sorted(folder.glob("*.safetensors"))]
+    config = folder / "config.json"
+    if config.is_file():
+        settings = {k: v for k, v in json.loads(config.read_text()).items() if k not in _WRITER_KEYS}
+        ids.append("config.json:" + hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16])
     return hashlib.sha256("|".join(ids).encode()).hexdigest()[:16] if ids else None
 
 

@@ -3,6 +3,7 @@ the test split, the held-out variant and its drift, and the summary's paired tes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -12,11 +13,18 @@ import yaml
 
 from redumix.common.files import atomic_write_json
 from redumix.data.tasks import make_task
+from redumix.pipeline.cli import main
 from redumix.pipeline.config import load_config
 from redumix.pipeline.records import read_records, records_path
 from redumix.pipeline.resolve import ConfigError
 from redumix.pipeline.run import RunDir, arm_dir
-from redumix.pipeline.studies.evidence import forgetting_tasks, run_evidence, saved_answers, write_summary
+from redumix.pipeline.studies.evidence import (
+    forgetting_tasks,
+    recorded_arm,
+    run_evidence,
+    saved_answers,
+    write_summary,
+)
 from redumix.pipeline.studies.evidence_report import evidence_markdown, paired_arms
 from tests.test_rounds import SMALL
 
@@ -66,9 +74,9 @@ def test_every_arm_trains_the_same_steps_is_measured_and_summarised(tmp_path, ti
     drifts = [json.loads((arm_dir(folder, a, s).root / "drift.json").read_text()) for a, s in
               [("mixture", 0), ("redo", 1), ("on-policy", 0)]]
     assert {d["text_nll_base"] for d in drifts} == {base_nll["text_nll"]}
-    # Every arm's accuracy comes before any arm's drift, the costliest measure.
-    last_eval = max(p.stat().st_mtime_ns for p in folder.glob("*/seed-*/eval/generations/*"))
-    assert last_eval < min(p.stat().st_mtime_ns for p in folder.glob("*/seed-*/drift.json"))
+    # Each arm's drift is measured with its accuracy, while its weights are here, before the next arm trains.
+    assert (arm_dir(folder, "mixture", 0).root / "drift.json").stat().st_mtime_ns < (
+        arm_dir(folder, "mixture", 1).train / "metrics.json").stat().st_mtime_ns
     # Forgetting: every arm and the base greedy on the other recipe's task, its n, its prompts, its answer length.
     other = forgetting_tasks(config)["arith"]
     longer = [(e.id, e.prompt) for e in make_task(other.task, other.seed).examples("test", 3)]
@@ -99,8 +107,27 @@ def test_every_arm_trains_the_same_steps_is_measured_and_summarised(tmp_path, ti
     assert {p: p.stat().st_mtime_ns for p in folder.rglob("*.safetensors")} == stamps
     assert summary["complete"] and summary["planned"] == 9
 
+    # The study outlives its run folder: `redumix grades` keeps each model's grades, train summary and settings and
+    # drift, and a new run folder with `evidence.records` reads every arm-seed back, training and decoding nothing.
+    records = tmp_path / "records"
+    assert main(["grades", str(folder), str(records)]) == 0
+    assert not list(records.rglob("*.safetensors")) and (records / "base" / "general_answers.json").is_file()
+    from_records = load_config(ROOT / "recipes" / "tiny.yaml", [
+        f"model.path={tiny_model_dir}", *SMALL, *ARMS, f"evidence.general_path={general}",
+        f"evidence.forgetting=[{LONGER}]", f"evidence.records={records}"])
+    fresh = RunDir(tmp_path / "fresh")
+    capsys.readouterr()
+    assert run_evidence(from_records, fresh) == summary
+    assert "evidence: arm on-policy, seed 0 read from the records" in capsys.readouterr().out
+    assert not (fresh.root / "harvest").exists() and not list(fresh.root.rglob("train"))
+    # An arm-seed recorded with other train settings is not read back: it is trained again, and the log says why.
+    other_lr = dataclasses.replace(from_records, train=dataclasses.replace(from_records.train, learning_rate=1e-3))
+    assert not recorded_arm(other_lr, records, fresh.evidence, arm_dir(fresh.evidence, "gold", 1), tiny_model_dir,
+                            "gold", 1, 2, forgetting_tasks(other_lr))
+    assert "train.learning_rate" in capsys.readouterr().out
+
     # A sitting stopped after three arms (the mixture's two seeds and gold's first) left a table of those three,
-    # their drift not yet measured.
+    # their drift not measured.
     for drift in folder.glob("*/seed-*/drift.json"):
         drift.unlink()
     plan = [(arm, seed) for arm in ["mixture", "gold", "redo"] for seed in [0, 1]]
@@ -111,7 +138,7 @@ def test_every_arm_trains_the_same_steps_is_measured_and_summarised(tmp_path, ti
     assert so_far["arms"]["gold"]["test"]["values"] == summary["arms"]["gold"]["test"]["values"][:1]
     table = (folder / "evidence.md").read_text()
     assert table.startswith("# Evidence so far: 3 of 9 arm-seeds measured")
-    assert table.count("| not yet measured |") == 2  # the drift cells of mixture and gold
+    assert table.count("| not measured |") == 2  # the drift cells of mixture and gold
 
 
 def test_the_base_answers_saved_for_more_questions_serve_fewer_and_never_other_ones(tmp_path) -> None:

@@ -405,7 +405,7 @@ def test_every_setting_the_ladder_and_rft_read_is_in_their_record_or_named_as_no
     ladder = _deciding(ladder_record, config, holders)
     assert {key for key, moves in ladder.items() if not moves} == speed | {
         "redumix.topk", "redumix.feedback", "redumix.feedback_file", "ladder.n", "ladder.skip", "ladder.batch_size",
-        "ladder.resamples"}
+        "ladder.resamples", "ladder.records"}
     config.ladder.self_critique = False  # then λ and the critique's length decide no record
     assert not any(_deciding(ladder_record, config, holders)[key] for key in ("redumix.lam",
                                                                               "redumix.critique_max_tokens"))
@@ -517,3 +517,17 @@ def test_a_settings_file_in_no_known_form_is_refused(tmp_path):
         with pytest.raises(ValueError, match=r"cannot read; delete it"):
             claim_settings(path, ladder_record(load_config("tiny")), "ladder records", "delete it", ladder_record_v0)
         assert path.read_text() == text
+
+
+def test_a_model_saved_again_by_another_transformers_release_is_the_same_model(tmp_path, tiny_model_dir):
+    from redumix.pipeline.lineage import model_id
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["transformers_version"] = "0.0.1"  # what `make vllm`'s older pin writes, say
+    (copy / "config.json").write_text(json.dumps(config, indent=3))
+    assert model_id(copy) == model_id(tiny_model_dir)
+    config["rms_norm_eps"] = 0.5  # a setting of the model is the model
+    (copy / "config.json").write_text(json.dumps(config))
+    assert model_id(copy) != model_id(tiny_model_dir)

@@ -216,3 +216,23 @@ def test_a_reflection_that_writes_the_wrong_attempt_back_is_counted_with_what_th
     assert "reflection_quotes_attempt" not in summarize_ladder([{k: v for k, v in r.items()
                                                                  if k != "reflection_quotes_attempt"} for r in rows],
                                                                [RESAMPLE, "redo"])
+
+
+def test_committed_grades_stand_in_for_problems_a_lost_run_folder_measured(tmp_path):
+    """A sitting's grades, committed, are read by the next sitting in a new run folder: its problems are not decoded
+    again, and the table over all of them is the one a single run gives."""
+    config = load_config("tiny", SMALL)
+    run_ladder(config, RunDir(tmp_path / "whole"))
+    whole = json.loads((tmp_path / "whole" / "ladder" / "summary.json").read_text())
+    first = load_config("tiny", [*SMALL, "ladder.n=4"])
+    run_ladder(first, RunDir(tmp_path / "first"))
+    committed = tmp_path / "first" / "ladder"  # as copied to docs/records/ladder/NAME; the folder is then lost
+    later = load_config("tiny", [*SMALL, f"ladder.records={committed}"])
+    run_ladder(later, RunDir(tmp_path / "later"))
+    assert len(_records(tmp_path / "later")) == 2  # only the two problems the first sitting did not measure
+    summary = json.loads((tmp_path / "later" / "ladder" / "summary.json").read_text())
+    assert summary == whole
+    assert (tmp_path / "later" / "ladder" / "examples.md").is_file()
+    with pytest.raises(ValueError, match=r"ladder\.records: .* other settings \(redumix\.redo_temperature"):
+        run_ladder(load_config("tiny", [*SMALL, f"ladder.records={committed}", "redumix.redo_temperature=0.7"]),
+                   RunDir(tmp_path / "other"))

@@ -30,12 +30,16 @@ from typing import Any
 
 from redumix.common.files import atomic_write_json, atomic_write_text, read_json
 from redumix.common.ranks import print0
+from redumix.generate.decoder import fingerprint
 from redumix.pipeline.config import Config, load_config
-from redumix.pipeline.decoders import BASELINE
+from redumix.pipeline.decoders import BASELINE, make_decoder
 from redumix.pipeline.embedded_stage import ensure_embedded
 from redumix.pipeline.eval import run_eval
 from redumix.pipeline.evidence_arms import ARMS, HARVESTS
 from redumix.pipeline.harvest import run_harvest
+from redumix.pipeline.harvest_folder import claim_settings
+from redumix.pipeline.lineage import model_id
+from redumix.pipeline.records import record_identity, records_path
 from redumix.pipeline.resolve import ConfigError, config_to_yaml
 from redumix.pipeline.run import EMBEDDED, RunDir, arm_dir, model_path
 from redumix.pipeline.studies.drift import drift_measures, greedy_answers, read_general_set
@@ -47,7 +51,7 @@ from redumix.pipeline.studies.evidence_report import (
     summarize_evidence,
 )
 from redumix.pipeline.studies.rft import rft_harvest
-from redumix.pipeline.train import run_train
+from redumix.pipeline.train import run_train, train_settings
 
 
 def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
@@ -55,41 +59,46 @@ def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
     base = model_path(config.model.path, run).resolve()
     ev = config.evidence
     folder = run.evidence
+    records = Path(ev.records) if ev.records else None
     plan = [(arm, seed) for arm in ev.main_arms for seed in ev.seeds]
     plan += [(arm, ev.seeds[0]) for arm in ev.other_arms if arm not in ev.main_arms]
     other_tasks = forgetting_tasks(config)  # a wrong entry stops the stage here, before any arm trains
-    eval_greedy(config, RunDir(folder / "base"), base, checkpoint="base", other_tasks=other_tasks)
+    base_here = RunDir(folder / "base")
+    if recorded_model(config, records, folder, base_here, base, "base", other_tasks):
+        restore_base_caches(records, base_here)
+    else:
+        eval_greedy(config, base_here, base, checkpoint="base", other_tasks=other_tasks)
     steps = 0  # every arm trains as many steps as the first one did (the mixture arm, seed 0, in the default plan)
-    trained_arms = []
-    for arm, seed in plan:
-        harvest = harvest_for(config, run, ARMS[arm].harvest)
+    for measured, (arm, seed) in enumerate(plan, start=1):
         here = arm_dir(folder, arm, seed)
-        settings = arm_config(config, base, harvest, arm, seed, steps)
-        print0(f"evidence: arm {arm}, seed {seed} in {here.root}")
-        here.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(here.config, config_to_yaml(settings))
-        trained = run_train(settings, here)
-        steps = steps or trained["steps"]
-        eval_greedy(settings, here, here.train / "merged", checkpoint="tuned", other_tasks=other_tasks)
-        trained_arms.append((settings, here))
-        # The table so far: a plan of many arms runs for days in sittings, and each arm's accuracy is worth reading
-        # the day it is measured.
-        write_summary(config, folder, plan, len(trained_arms), list(other_tasks))
-    # Drift is the costliest measure (the tuned and the base model over every drift sequence; its cost is in
-    # docs/real-models.md) and accuracy the first one asked, so every arm's accuracy is measured before any drift.
-    for settings, here in trained_arms:
-        measure_drift(settings, here, here.train / "merged", base)
-    summary = write_summary(config, folder, plan, len(plan), list(other_tasks), drift_measured=True)
+        if recorded_arm(config, records, folder, here, base, arm, seed, steps, other_tasks):
+            print0(f"evidence: arm {arm}, seed {seed} read from the records in {records}")
+            steps = steps or read_json(recorded_place(records, folder, here) / "train-metrics.json")["steps"]
+        else:
+            harvest = harvest_for(config, run, ARMS[arm].harvest)
+            settings = arm_config(config, base, harvest, arm, seed, steps)
+            print0(f"evidence: arm {arm}, seed {seed} in {here.root}")
+            here.root.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(here.config, config_to_yaml(settings))
+            trained = run_train(settings, here)
+            steps = steps or trained["steps"]
+            eval_greedy(settings, here, here.train / "merged", checkpoint="tuned", other_tasks=other_tasks)
+            # Drift right after the arm's accuracy, while its weights are here: run folders may not outlive a
+            # sitting, and a study of many arms is measured over days from its committed records.
+            measure_drift(settings, here, here.train / "merged", base)
+        # The table so far: a plan of many arms runs for days in sittings, and each arm is worth reading the day
+        # it is measured.
+        summary = write_summary(config, folder, plan, measured, list(other_tasks))
     print0(evidence_markdown(summary))
     return summary
 
 
-def write_summary(config: Config, folder: Path, plan: list[tuple[str, int]], measured: int, tasks: list[str],
-                  drift_measured: bool = False) -> dict[str, Any]:
-    """evidence.json, .md and .png over the first `measured` arms of the plan; complete once every arm and its drift
-    is measured."""
-    summary = summarize_evidence(config, folder, plan[:measured], tasks)
-    summary["complete"] = measured == len(plan) and drift_measured
+def write_summary(config: Config, folder: Path, plan: list[tuple[str, int]], measured: int,
+                  tasks: list[str]) -> dict[str, Any]:
+    """evidence.json, .md and .png over the first `measured` arms of the plan; complete once every arm is."""
+    records = Path(config.evidence.records) if config.evidence.records else None
+    summary = summarize_evidence(config, folder, plan[:measured], tasks, records)
+    summary["complete"] = measured == len(plan)
     summary["planned"] = len(plan)
     atomic_write_json(folder / "evidence.json", summary)
     atomic_write_text(folder / "evidence.md", evidence_markdown(summary))
@@ -148,37 +157,119 @@ def forgetting_tasks(config: Config) -> dict[str, Config]:
     return tasks
 
 
-def eval_greedy(config: Config, here: RunDir, model: Path, checkpoint: str,
-                other_tasks: dict[str, Config] | None = None) -> None:
-    """Greedy on the test split, (on arith) on the held-out variant and on each of `other_tasks`. For the base, also
-    its greedy answers to the general set's questions, which every arm's off-task KL reads."""
+def greedy_evals(config: Config, here: RunDir, model: Path,
+                 other_tasks: dict[str, Config] | None = None) -> list[tuple[Config, RunDir]]:
+    """The greedy evals that measure one model, each with the folder it writes: the test split, (on arith) the
+    held-out variant, and each of `other_tasks`. Past the test split the model measured is the eval's "base"
+    checkpoint (model.path)."""
     ev = config.evidence
-    greedy_only = dataclasses.replace(config.eval, decoders=[BASELINE], tuned_decoders=[], n=ev.n, n_other=ev.n,
-                                      checkpoints=[checkpoint])
-    run_eval(dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(model)),
-                                 eval=greedy_only), here)
+    greedy_only = dataclasses.replace(config.eval, decoders=[BASELINE], tuned_decoders=[], n=ev.n, n_other=ev.n)
+    measured = dataclasses.replace(config.model, path=str(model))
+    evals = [(dataclasses.replace(config, model=measured, eval=greedy_only), here)]
     if config.task.name == "arith":
-        # The variant runs the model as its "base" checkpoint: model.path is the model measured.
         arith = dataclasses.replace(config.task.arith, start_max=ev.variant_number_max,
                                     operand_max=ev.variant_number_max)
-        variant = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(model)),
-                                      task=dataclasses.replace(config.task, arith=arith),
+        variant = dataclasses.replace(config, model=measured, task=dataclasses.replace(config.task, arith=arith),
                                       eval=dataclasses.replace(greedy_only, checkpoints=["base"]))
-        run_eval(variant, RunDir(here.root / "variant"))
+        evals.append((variant, RunDir(here.root / "variant")))
     for name, other in (other_tasks or {}).items():
-        # As the variant: the model measured is model.path, its "base" checkpoint. The other recipe decides the
-        # problems, prompts and answer length; this one the engine and the batch.
+        # The other recipe decides the problems, prompts and answer length; this one the engine and the batch.
         on_other = dataclasses.replace(
-            config, model=dataclasses.replace(config.model, path=str(model)), task=other.task,
-            sampling=other.sampling, eval=dataclasses.replace(greedy_only, checkpoints=["base"], n=other.eval.n,
-                                                              n_other=other.eval.n, split=other.eval.split))
-        run_eval(on_other, forgetting_dir(here, name))
+            config, model=measured, task=other.task, sampling=other.sampling,
+            eval=dataclasses.replace(greedy_only, checkpoints=["base"], n=other.eval.n, n_other=other.eval.n,
+                                     split=other.eval.split))
+        evals.append((on_other, forgetting_dir(here, name)))
+    return evals
+
+
+def eval_greedy(config: Config, here: RunDir, model: Path, checkpoint: str,
+                other_tasks: dict[str, Config] | None = None) -> None:
+    """Every greedy eval of `greedy_evals`, the first as `checkpoint`. For the base, also its greedy answers to the
+    general set's questions, which every arm's off-task KL reads."""
+    for i, (settings, folder) in enumerate(greedy_evals(config, here, model, other_tasks)):
+        if i == 0:
+            settings = dataclasses.replace(settings, eval=dataclasses.replace(settings.eval, checkpoints=[checkpoint]))
+        run_eval(settings, folder)
+    ev = config.evidence
     if checkpoint == "base" and ev.general_path:
         general = read_general_set(Path(ev.general_path), ev.drift_n)
         if saved_answers(here, general.questions) is None:
             answers = greedy_answers(config, model, general.questions)
             atomic_write_json(here.root / "general_answers.json", {"questions": general.questions,
                                                                     "answer_ids": answers})
+
+
+# --- reading back a committed record (`evidence.records`) -----------------------------------------------------------
+
+
+def recorded_place(records: Path, folder: Path, here: RunDir) -> Path:
+    """Where a run folder under RUN_DIR/evidence keeps its grades in a `redumix grades` folder: the same place."""
+    return records / here.root.relative_to(folder)
+
+
+def recorded_model(config: Config, records: Path | None, folder: Path, here: RunDir, model: Path, checkpoint: str,
+                   other_tasks: dict[str, Config]) -> bool:
+    """Whether `records` holds every greedy eval of this model in full, made by the same decoder and engine (and, for
+    the base, the same weights); a partial or other record is said and measured again."""
+    if records is None or not recorded_place(records, folder, here).is_dir():
+        return False
+    weights = model_id(model) if checkpoint == "base" else None  # a tuned model's weights are gone with its folder
+    for i, (settings, rd) in enumerate(greedy_evals(config, here, model, other_tasks)):
+        name = checkpoint if i == 0 else "base"
+        place = recorded_place(records, folder, rd)
+        index = read_json(place / "index.json") if (place / "index.json").is_file() else {}
+        entry = index.get(records_path(place, name, BASELINE).name)
+        decoder = fingerprint(make_decoder(settings, BASELINE, {}))
+        wanted = record_identity(weights, decoder, settings.engine)
+        if entry is None or entry["n"] != settings.eval.n:
+            why = "none" if entry is None else f"{entry['n']} problems, not {settings.eval.n}"
+            print0(f"evidence: {place}: {why} of {name}'s greedy recorded; measured again")
+            return False
+        made_by = [m.split(":", 1)[1] if weights is None else m for m in entry["model"]]
+        if made_by != [wanted.split(":", 1)[1] if weights is None else wanted]:
+            print0(f"evidence: {place}: recorded by {entry['model']}, not {wanted} (weights:decoder:engine); "
+                   "measured again")
+            return False
+    return True
+
+
+def recorded_arm(config: Config, records: Path | None, folder: Path, here: RunDir, base: Path, arm: str, seed: int,
+                 steps: int, other_tasks: dict[str, Config]) -> bool:
+    """Whether `records` holds this arm-seed: its greedy evals and its train summary and settings (the same as this
+    arm would train with, from the same base). Its drift is read when recorded; an arm-seed recorded without it
+    (before drift came with each arm) is read back with its drift not measured, the table says so."""
+    if not recorded_model(config, records, folder, here, Path("tuned"), "tuned", other_tasks):
+        return False
+    assert records is not None
+    place = recorded_place(records, folder, here)
+    missing = [name for name in ("train-metrics.json", "train-settings.json") if not (place / name).is_file()]
+    if missing:
+        print0(f"evidence: {place}: no {', '.join(missing)}; measured again")
+        return False
+    inputs = read_json(place / "train-metrics.json")["inputs"]
+    if inputs["base"] != model_id(base):
+        print0(f"evidence: {place}: trained from base {inputs['base']}, not {model_id(base)}; measured again")
+        return False
+    # The harvest is the one thing that may differ: a run folder lost with its harvest leaves the arms measured on
+    # it, and a new harvest of the same recipe asks the same problems. The table names each arm-seed's harvest.
+    settings = arm_config(config, base, Path(), arm, seed, steps)
+    try:
+        claim_settings(place / "train-settings.json", train_settings(settings), "records",
+                       "measured again")
+    except ValueError as e:
+        print0(f"evidence: {e}")
+        return False
+    return True
+
+
+def restore_base_caches(records: Path | None, here: RunDir) -> None:
+    """The base's answers to the general questions and its loss on their texts, read by every arm's drift."""
+    assert records is not None
+    for name in ("general_answers.json", "text_nll.json"):
+        source = recorded_place(records, here.root.parent, here) / name
+        if source.is_file() and not (here.root / name).is_file():
+            here.root.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(here.root / name, source.read_text())
 
 
 def measure_drift(config: Config, here: RunDir, model: Path, base: Path) -> None:

@@ -32,37 +32,59 @@ def _correct(records: list[dict]) -> dict[str, bool]:
 
 
 def summarize_evidence(config: Config, folder: Path, plan: list[tuple[str, int]],
-                       forgetting: list[str] = ()) -> dict[str, Any]:
-    """`forgetting`: the task names of `evidence.forgetting`, each a part (a column) like the test split."""
+                       forgetting: list[str] = (), records: Path | None = None) -> dict[str, Any]:
+    """`forgetting`: the task names of `evidence.forgetting`, each a part (a column) like the test split. What a run
+    folder under `folder` lacks is read from the same place in `records` (`evidence.records`, committed grades)."""
+
+    def read(here: RunDir, name: str) -> dict | None:
+        """A JSON file of a run folder, else of its place in the records; None when neither has it."""
+        for path in [here.root / name, *([records / here.root.relative_to(folder) / name] if records else [])]:
+            if path.is_file():
+                return read_json(path)
+        return None
+
+    def grades(here: RunDir, checkpoint: str) -> list[dict]:
+        """A greedy eval's lines (id, correct, tokens: all a table reads), from its records or its grades."""
+        path = records_path(here.eval / "generations", checkpoint, BASELINE)
+        if not path.is_file() and records is not None:
+            path = records / here.root.relative_to(folder) / path.name
+        return read_records(path)
+
     base = RunDir(folder / "base")
     parts = ["test", "variant"] if config.task.name == "arith" else ["test"]
-    base_parts = {"test": _correct(greedy_records(base, "base"))}
+    base_parts = {"test": _correct(grades(base, "base"))}
     if "variant" in parts:
-        base_parts["variant"] = _correct(greedy_records(RunDir(base.root / "variant"), "base"))
+        base_parts["variant"] = _correct(grades(RunDir(base.root / "variant"), "base"))
     for task in forgetting:
-        base_parts[task] = _correct(greedy_records(forgetting_dir(base, task), "base"))
+        base_parts[task] = _correct(grades(forgetting_dir(base, task), "base"))
     parts += list(forgetting)
     runs: dict[str, dict[int, dict[str, Any]]] = {}
     general = None
     for arm, seed in plan:
         here = arm_dir(folder, arm, seed)
-        trained = read_json(here.train / "metrics.json")
-        # Absent until every arm's accuracy is measured (pipeline/studies/evidence.py): a table so far has none.
-        drift = read_json(here.root / "drift.json") if (here.root / "drift.json").is_file() else {}
+        marker = here.train / "metrics.json"  # its copy in the records is train-metrics.json
+        trained = read_json(marker) if marker.is_file() else read(here, "train-metrics.json")
+        if trained is None:
+            raise FileNotFoundError(f"{marker}: arm {arm}, seed {seed} has not trained, and no records hold it")
+        drift = read(here, "drift.json")
+        tuned = grades(here, "tuned")
         runs.setdefault(arm, {})[seed] = {
-            "test": _correct(greedy_records(here, "tuned")),
-            "drift_kl": drift.get("kl_tuned_base"),
-            "offtask_kl": drift.get("kl_offtask"),
-            "text_nll": drift.get("text_nll"),
+            "test": _correct(tuned),
+            "drift_kl": (drift or {}).get("kl_tuned_base"),
+            "offtask_kl": (drift or {}).get("kl_offtask"),
+            "text_nll": (drift or {}).get("text_nll"),
             "heldout_kl": trained["heldout_kl_merged"],
             "seconds_per_step": trained["seconds_per_step"],
             "steps": trained["steps"],
-            "mean_tokens": _mean([r["tokens"] for r in greedy_records(here, "tuned")]),
+            "mean_tokens": _mean([r["tokens"] for r in tuned]),
+            "harvest": trained.get("inputs", {}).get("harvest"),
+            "drift_measured": drift is not None,
         }
         if "variant" in parts:
-            runs[arm][seed]["variant"] = _correct(greedy_records(RunDir(here.root / "variant"), "base"))
+            runs[arm][seed]["variant"] = _correct(grades(RunDir(here.root / "variant"), "base"))
         for task in forgetting:
-            runs[arm][seed][task] = _correct(greedy_records(forgetting_dir(here, task), "base"))
+            runs[arm][seed][task] = _correct(grades(forgetting_dir(here, task), "base"))
+        drift = drift or {}
         if "kl_offtask" in drift:
             general = {"path": config.evidence.general_path, "prompts": drift["offtask_prompts"],
                        "texts": drift["texts"], "base_text_nll": drift["text_nll_base"]}
@@ -120,9 +142,11 @@ def arm_summary(seeds: dict[int, dict[str, Any]]) -> dict[str, Any]:
     def per_seed(key: str) -> list[float]:
         return [s[key] if not isinstance(s[key], dict) else _mean(list(s[key].values())) for s in seeds.values()]
 
-    keys = [key for key in next(iter(seeds.values())) if key != "steps"]
-    return {"seeds": list(seeds), **{key: spread(per_seed(key)) for key in keys},
-            "steps": next(iter(seeds.values()))["steps"]}
+    first = next(iter(seeds.values()))
+    keys = [key for key in first if key not in ("steps", "harvest", "drift_measured")]
+    return {"seeds": list(seeds), **{key: spread(per_seed(key)) for key in keys}, "steps": first["steps"],
+            "harvests": [s["harvest"] for s in seeds.values()],
+            "drift_measured": all(s["drift_measured"] for s in seeds.values())}
 
 
 def paired_arms(
@@ -151,7 +175,7 @@ def evidence_markdown(summary: dict[str, Any]) -> str:
     parts = summary["parts"]
     general = summary.get("general")
     complete = summary.get("complete", True)
-    not_measured = "not yet measured"
+    not_measured = "not measured"
     where = (f"on {summary['n']} held-out test problems and on a task variant no arm trains on (numbers up to "
              f"{summary['variant_number_max']})" if "variant" in parts else f"on {summary['n']} held-out test prompts")
     measured = sum(len(a["seeds"]) for a in summary["arms"].values())
@@ -159,8 +183,7 @@ def evidence_markdown(summary: dict[str, Any]) -> str:
         "# Evidence: what the distillation target buys" if complete else
         f"# Evidence so far: {measured} of {summary['planned']} arm-seeds measured", "",
         *([] if complete else [
-            "The stage has not finished: drift is measured once every arm's accuracy is, and the next run of "
-            "`redumix evidence` resumes where this one stopped.", ""]),
+            "The stage has not finished: the next run of `redumix evidence` resumes where this one stopped.", ""]),
         f"Greedy accuracy {where}. Mean over seeds [min–max]; seeds: main arms {summary['seeds']}, others the first. "
         f"Paired changes: each seed against the same seed of `{ref}`, on the same problems, with a 95% paired "
         "bootstrap interval over problems and McNemar's exact p on the pooled discordant pairs.", "",
@@ -190,12 +213,22 @@ def evidence_markdown(summary: dict[str, Any]) -> str:
         cells = [arm, str(len(a["seeds"]))]
         for part in parts:
             cells += [_pct(a[part]), _change(vb[part])]
-        cells += [_num(a["drift_kl"], "undefined (no answer tokens)" if complete else not_measured)]
+        # A drift never measured (an arm-seed read from records made before drift came with every arm) is said so.
+        measured_drift = a.get("drift_measured", True)
+        cells += [_num(a["drift_kl"], "undefined (no answer tokens)" if measured_drift else not_measured)]
         if general:
-            cells += [_num(a["offtask_kl"], "undefined (no answer tokens)" if complete else not_measured),
-                      _num(a["text_nll"], "undefined (no text)" if complete else not_measured)]
+            cells += [_num(a["offtask_kl"], "undefined (no answer tokens)" if measured_drift else not_measured),
+                      _num(a["text_nll"], "undefined (no text)" if measured_drift else not_measured)]
         cells += [_num(a["heldout_kl"], "undefined (no held-out rows)"), f"{a['seconds_per_step']['mean']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    harvests: dict[str, list[str]] = {}
+    for arm, a in summary["arms"].items():
+        for seed, harvest in zip(a["seeds"], a.get("harvests") or [None] * len(a["seeds"]), strict=True):
+            harvests.setdefault(str(harvest), []).append(f"{arm} {seed}")
+    if len(harvests) > 1:  # a lost run folder's harvest, drawn again: the same problems, other samples
+        lines += ["", f"The arm-seeds learned from {len(harvests)} harvests of the recipe (the same problems, other "
+                      "samples; by manifest hash): " + "; ".join(f"`{h}`: {', '.join(names)}"
+                                                                 for h, names in harvests.items()) + "."]
     lines += ["", f"## Paired against `{ref}`", "",
               "| arm | " + " | ".join(f"{part}: change [95% CI] (gained / lost, p)" for part in parts) + " |",
               "|---|" + "---|" * len(parts)]

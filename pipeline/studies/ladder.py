@@ -21,11 +21,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from redumix.common.files import atomic_write_json, atomic_write_jsonl, atomic_write_text, read_jsonl
+from redumix.common.files import atomic_write_json, atomic_write_jsonl, atomic_write_text, read_json, read_jsonl
 from redumix.common.fingerprints import ladder_record_v0
 from redumix.common.ranks import print0
 from redumix.data.chat import template_pieces
@@ -38,7 +39,7 @@ from redumix.generate.redumix import FeedbackFn, RedoStages, redo_contexts, redo
 from redumix.pipeline.config import Config
 from redumix.pipeline.embedded_stage import ensure_embedded
 from redumix.pipeline.engines import check_engine, open_engine
-from redumix.pipeline.harvest_folder import claim_settings
+from redumix.pipeline.harvest_folder import claim_settings, settings_differences
 from redumix.pipeline.records import text_digest
 from redumix.pipeline.run import RunDir, model_path
 from redumix.pipeline.stats import newcombe_paired_interval, wilson_interval
@@ -71,21 +72,25 @@ def run_ladder(config: Config, run: RunDir) -> None:
     out = run.root / "ladder"
     records_path = out / "records.jsonl"
     records = {r["id"]: r for _, r in read_jsonl(records_path)} if records_path.exists() else {}
-    todo = [e for e in examples if e.id not in records]
+    committed = committed_grades(config, {e.id for e in examples} - set(records))
+    if committed:
+        print0(f"ladder: {len(committed)} of {len(examples)} problems read from the grades in {ladder.records}")
+    todo = [e for e in examples if e.id not in records and e.id not in committed]
     wanted = resample_names(ladder.resamples)
     more = [e for e in examples if e.id in records and not set(wanted) <= set(records[e.id]["arms"])]
     # Before the folder is claimed, a model the engine cannot run is refused; a folder with every record written is
     # only summarized, so it needs no engine (and no vLLM installed).
     if todo or more:
+        ensure_embedded(config, run)  # the embedded default is built first, so the engine checks the model itself
         check_engine(config, run)
     out.mkdir(parents=True, exist_ok=True)
     claim_settings(out / "settings.json", ladder_record(config), "ladder records",
                    "use another --run-dir, or delete that folder to measure again", ladder_record_v0)
-    if len(todo) < len(examples):
-        print0(f"ladder: resuming, {len(examples) - len(todo)} of {len(examples)} problems already in {records_path}"
+    if any(e.id in records for e in examples):
+        print0(f"ladder: resuming, {sum(e.id in records for e in examples)} of {len(examples)} problems already in "
+               f"{records_path}"
                + (f"; {len(more)} of them get more resamples" if more else ""))
     if todo or more:
-        ensure_embedded(config, run)
         path = model_path(config.model.path, run)
         engine = open_engine(config, path)
         for work, desc in ((todo, "ladder"), (more, "ladder: more resamples")):
@@ -101,16 +106,39 @@ def run_ladder(config: Config, run: RunDir) -> None:
                 bar.update(len(batch))
             bar.close()
         engine.close()
-    rows = [records[e.id] for e in examples]
-    grades = ladder_grades(rows)
+    rows = [records[e.id] for e in examples if e.id in records]
+    decoded = dict(zip((r["id"] for r in rows), ladder_grades(rows), strict=True))
+    grades = [decoded[e.id] if e.id in decoded else committed[e.id] for e in examples]
     summary = summarize_ladder(grades, arm_names(config))  # what the committed grades alone give again
     summary["settings"] = ladder_record(config)
     atomic_write_json(out / "summary.json", summary)
     atomic_write_jsonl(out / "grades.jsonl", grades)
-    atomic_write_text(out / "examples.md", ladder_examples(rows, summary))
+    # Committed grades hold no text: the examples are drawn from the problems decoded in this run folder.
+    decoded_summary = summary if len(rows) == len(examples) else (
+        summarize_ladder(list(decoded.values()), arm_names(config)) if rows else None)
+    atomic_write_text(out / "examples.md", ladder_examples(rows, decoded_summary) if decoded_summary else
+                      "# The ladder's examples\n\nEvery problem was read from committed grades: none to show.\n")
     table = ladder_table(summary)
     atomic_write_text(out / "ladder.md", table)
     print0(table)
+
+
+def committed_grades(config: Config, wanted: set[str]) -> dict[str, dict]:
+    """The grade lines of `ladder.records` (an earlier sitting's committed grades.jsonl) for the `wanted` problems
+    that hold every arm of this ladder; the folder's summary.json must hold this ladder's settings."""
+    if not config.ladder.records:
+        return {}
+    folder = Path(config.ladder.records)
+    for name in ("grades.jsonl", "summary.json"):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"ladder.records: {folder / name} not found; give a folder that "
+                                    "`redumix ladder` wrote grades.jsonl and summary.json to")
+    changed = settings_differences(read_json(folder / "summary.json")["settings"], ladder_record(config))
+    if changed:
+        raise ValueError(f"ladder.records: {folder} was measured with other settings ({', '.join(changed)}); use "
+                         "those settings, or another records folder")
+    arms = set(arm_names(config))
+    return {g["id"]: g for _, g in read_jsonl(folder / "grades.jsonl") if g["id"] in wanted and arms <= set(g["arms"])}
 
 
 Texts = list[tuple[str, int]]  # per problem: a reply's text and its token count
@@ -373,7 +401,7 @@ def ladder_record(config: Config) -> dict:
     since a ladder's records come from one engine. Not `redumix.feedback` or `feedback_file` (the ladder sets its
     feedback, `ladder.feedback`, and the self-critique itself), `redumix.topk` (the redo's texts draw from p_mix
     whole), the device, compile_decoding or the batch sizes, nor n, skip or the number of resamples, which only add
-    to the records.
+    to the records, nor `ladder.records`, where some of them were read from.
     `ladder.feedback` is recorded when it is not the verifier, so the records made before the key stand."""
     sampling, redumix, ladder = config.sampling, config.redumix, config.ladder
     critique = ladder.self_critique
