@@ -48,6 +48,7 @@ from redumix.pipeline.studies.evidence_report import (
     forgetting_dir,
     greedy_records,
     plot_evidence,
+    recorded_place,
     summarize_evidence,
 )
 from redumix.pipeline.studies.rft import rft_harvest
@@ -200,11 +201,6 @@ def eval_greedy(config: Config, here: RunDir, model: Path, checkpoint: str,
 
 
 # --- reading back a committed record (`evidence.records`) -----------------------------------------------------------
-
-
-def recorded_place(records: Path, folder: Path, here: RunDir) -> Path:
-    """Where a run folder under RUN_DIR/evidence keeps its grades in a `redumix grades` folder: the same place."""
-    return records / here.root.relative_to(folder)
 
 
 def recorded_model(config: Config, records: Path | None, folder: Path, here: RunDir, model: Path, checkpoint: str,

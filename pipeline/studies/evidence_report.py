@@ -22,6 +22,11 @@ def greedy_records(here: RunDir, checkpoint: str) -> list[dict]:
     return read_records(records_path(here.eval / "generations", checkpoint, BASELINE))
 
 
+def recorded_place(records: Path, folder: Path, here: RunDir) -> Path:
+    """Where a run folder under RUN_DIR/evidence keeps its grades in a `redumix grades` folder: the same place."""
+    return records / here.root.relative_to(folder)
+
+
 def forgetting_dir(here: RunDir, task: str) -> RunDir:
     """Where a model's greedy on another task of `evidence.forgetting` is (run as that run's "base" checkpoint)."""
     return RunDir(here.root / "forgetting" / task)
@@ -38,7 +43,7 @@ def summarize_evidence(config: Config, folder: Path, plan: list[tuple[str, int]]
 
     def read(here: RunDir, name: str) -> dict | None:
         """A JSON file of a run folder, else of its place in the records; None when neither has it."""
-        for path in [here.root / name, *([records / here.root.relative_to(folder) / name] if records else [])]:
+        for path in [here.root / name, *([recorded_place(records, folder, here) / name] if records else [])]:
             if path.is_file():
                 return read_json(path)
         return None
@@ -47,7 +52,7 @@ def summarize_evidence(config: Config, folder: Path, plan: list[tuple[str, int]]
         """A greedy eval's lines (id, correct, tokens: all a table reads), from its records or its grades."""
         path = records_path(here.eval / "generations", checkpoint, BASELINE)
         if not path.is_file() and records is not None:
-            path = records / here.root.relative_to(folder) / path.name
+            path = recorded_place(records, folder, here) / path.name
         return read_records(path)
 
     base = RunDir(folder / "base")
