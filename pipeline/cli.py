@@ -276,9 +276,11 @@ def grades_command(argv: list[str]) -> int:
                                   "accuracy": sum(r["correct"] for r in records) / max(len(records), 1)}
         atomic_write_json(args.out / place / "index.json", index)
         files += len(index)
-        for kept, name in KEPT_WITH_GRADES.items():
-            if (args.eval_dir / place / kept).is_file():
-                atomic_write_text(args.out / place / name, (args.eval_dir / place / kept).read_text())
+    # Also where no eval is: a base read back from records keeps the answers a later sitting decoded for it.
+    for kept, name in KEPT_WITH_GRADES.items():
+        for source in sorted(args.eval_dir.glob(f"**/{kept}")):
+            place = source.relative_to(args.eval_dir).parts[: -len(Path(kept).parts)]
+            atomic_write_text(args.out.joinpath(*place, name), source.read_text())
     print(f"grades: {files} files of {len(found)} evals written to {args.out}")
     return 0
 

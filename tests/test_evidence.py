@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,19 @@ def test_every_arm_trains_the_same_steps_is_measured_and_summarised(tmp_path, ti
     assert not recorded_arm(other_lr, records, fresh.evidence, arm_dir(fresh.evidence, "gold", 1), tiny_model_dir,
                             "gold", 1, 2, forgetting_tasks(other_lr))
     assert "train.learning_rate" in capsys.readouterr().out
+    # Records of a base without its answers to the general questions (committed before grades kept them): a new
+    # folder decodes them, and an arm-seed measured there gets its drift off the task too.
+    for name in ("general_answers.json", "text_nll.json"):
+        (records / "base" / name).unlink()
+    shutil.rmtree(records / "gold" / "seed-1")
+    again = RunDir(tmp_path / "again")
+    run_evidence(from_records, again)
+    assert (again.evidence / "base" / "general_answers.json").is_file()
+    assert {"kl_tuned_base", "kl_offtask", "text_nll", "text_nll_base"} <= json.loads(
+        (arm_dir(again.evidence, "gold", 1).root / "drift.json").read_text()).keys()
+    # and `redumix grades` keeps them, though the base has no eval in that folder.
+    assert main(["grades", str(again.evidence), str(tmp_path / "records-again")]) == 0
+    assert (tmp_path / "records-again" / "base" / "general_answers.json").is_file()
 
     # A sitting stopped after three arms (the mixture's two seeds and gold's first) left a table of those three,
     # their drift not measured.

@@ -82,6 +82,30 @@ def greedy_answers(config: Config, model_path: Path, questions: Sequence[str]) -
     return answers
 
 
+# A forward's logits are rows x width x vocab floats, kept until the chunk is scored: at Qwen's 151,936-token
+# vocabulary, 16 rows of 500 tokens are 4.9 GB a model, and the two models' logits with the evidence stage's own
+# memory ran a 24 GiB host out of memory (2026-11-28). So a chunk holds at most this many bytes of logits.
+LOGIT_BYTES_PER_FORWARD = 1 << 30
+
+
+def chunks_within(lengths: Sequence[int], rows: int, vocab: int, max_bytes: int | None = None) -> list[list[int]]:
+    """Consecutive index chunks of at most `rows` rows whose padded forward (rows x longest x vocab float32 logits)
+    stays within `max_bytes` (LOGIT_BYTES_PER_FORWARD); a row longer than the budget gets a chunk of its own."""
+    positions = max(1, (max_bytes or LOGIT_BYTES_PER_FORWARD) // (4 * vocab))
+    chunks: list[list[int]] = []
+    for index, length in enumerate(lengths):
+        last = chunks[-1] if chunks else None
+        if last and len(last) < rows and (len(last) + 1) * max(length, *(lengths[i] for i in last)) <= positions:
+            last.append(index)
+        else:
+            chunks.append([index])
+    return chunks
+
+
+def vocab_size(model) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
 @torch.no_grad()
 def kl_per_token(
     tuned, base, xs: list[list[int]], ys: list[list[int]], pad_id: int, batch: int = 16, desc: str = "drift: KL"
@@ -89,8 +113,9 @@ def kl_per_token(
     """Mean per-token KL(tuned ‖ base) over the continuations ys after the prompts xs (rows with no tokens skipped)."""
     total, tokens = 0.0, 0
     pairs = [(x, y) for x, y in zip(xs, ys, strict=True) if y]
-    for start in tqdm(range(0, len(pairs), batch), desc=desc, unit="batch"):
-        chunk_x, chunk_y = zip(*pairs[start : start + batch], strict=True)
+    for chunk in tqdm(chunks_within([len(x) + len(y) for x, y in pairs], batch, vocab_size(tuned)), desc=desc,
+                      unit="batch"):
+        chunk_x, chunk_y = zip(*(pairs[i] for i in chunk), strict=True)
         on_tuned = context_logits(tuned, list(chunk_x), list(chunk_y), pad_id)
         on_base = context_logits(base, list(chunk_x), list(chunk_y), pad_id)
         for logits_t, logits_b in zip(on_tuned, on_base, strict=True):
@@ -106,8 +131,8 @@ def text_nll(model, tokenizer, texts: Sequence[str], batch: int = 16, desc: str 
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     ids = [i for i in ids if len(i) > 1]
     total, tokens = 0.0, 0
-    for start in tqdm(range(0, len(ids), batch), desc=desc, unit="batch"):
-        chunk = ids[start : start + batch]
+    for indices in tqdm(chunks_within([len(i) for i in ids], batch, vocab_size(model)), desc=desc, unit="batch"):
+        chunk = [ids[i] for i in indices]
         logits = context_logits(model, [i[:1] for i in chunk], [i[1:] for i in chunk], tokenizer.pad_token_id)
         for row_logits, row in zip(logits, chunk, strict=True):
             target = torch.as_tensor(row[1:], device=row_logits.device)

@@ -69,6 +69,7 @@ def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
         restore_base_caches(records, base_here)
     else:
         eval_greedy(config, base_here, base, checkpoint="base", other_tasks=other_tasks)
+    save_base_answers(config, base_here, base)
     steps = 0  # every arm trains as many steps as the first one did (the mixture arm, seed 0, in the default plan)
     for measured, (arm, seed) in enumerate(plan, start=1):
         here = arm_dir(folder, arm, seed)
@@ -185,17 +186,22 @@ def greedy_evals(config: Config, here: RunDir, model: Path,
 
 def eval_greedy(config: Config, here: RunDir, model: Path, checkpoint: str,
                 other_tasks: dict[str, Config] | None = None) -> None:
-    """Every greedy eval of `greedy_evals`, the first as `checkpoint`. For the base, also its greedy answers to the
-    general set's questions, which every arm's off-task KL reads."""
+    """Every greedy eval of `greedy_evals`, the first as `checkpoint`."""
     for i, (settings, folder) in enumerate(greedy_evals(config, here, model, other_tasks)):
         if i == 0:
             settings = dataclasses.replace(settings, eval=dataclasses.replace(settings.eval, checkpoints=[checkpoint]))
         run_eval(settings, folder)
+
+
+def save_base_answers(config: Config, here: RunDir, base: Path) -> None:
+    """The base's greedy answers to the general set's questions, which every arm's off-task KL reads: decoded once,
+    also when the base's grades come from records that lack them."""
     ev = config.evidence
-    if checkpoint == "base" and ev.general_path:
+    if ev.general_path:
         general = read_general_set(Path(ev.general_path), ev.drift_n)
         if saved_answers(here, general.questions) is None:
-            answers = greedy_answers(config, model, general.questions)
+            answers = greedy_answers(config, base, general.questions)
+            here.root.mkdir(parents=True, exist_ok=True)
             atomic_write_json(here.root / "general_answers.json", {"questions": general.questions,
                                                                     "answer_ids": answers})
 
@@ -282,7 +288,7 @@ def measure_drift(config: Config, here: RunDir, model: Path, base: Path) -> None
     base_nll = None if general is None else saved_text_nll(base_folder, general.texts)
     drift = drift_measures(config, model, base, records, general, answers, base_nll)
     atomic_write_json(here.root / "drift.json", drift)
-    if general is not None and base_nll is None:
+    if general is not None and base_nll is None and "text_nll_base" in drift:
         atomic_write_json(base_folder / "text_nll.json", {"texts": general.texts,
                                                            "text_nll": drift["text_nll_base"]})
 
