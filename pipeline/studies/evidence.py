@@ -288,7 +288,7 @@ def measure_drift(config: Config, here: RunDir, model: Path, base: Path) -> None
     base_nll = None if general is None else saved_text_nll(base_folder, general.texts)
     drift = drift_measures(config, model, base, records, general, answers, base_nll)
     atomic_write_json(here.root / "drift.json", drift)
-    if general is not None and base_nll is None and "text_nll_base" in drift:
+    if general is not None and base_nll is None:
         atomic_write_json(base_folder / "text_nll.json", {"texts": general.texts,
                                                            "text_nll": drift["text_nll_base"]})
 
