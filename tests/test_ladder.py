@@ -236,3 +236,32 @@ def test_committed_grades_stand_in_for_problems_a_lost_run_folder_measured(tmp_p
     with pytest.raises(ValueError, match=r"ladder\.records: .* other settings \(redumix\.redo_temperature"):
         run_ladder(load_config("tiny", [*SMALL, f"ladder.records={committed}", "redumix.redo_temperature=0.7"]),
                    RunDir(tmp_path / "other"))
+
+
+def test_an_interrupted_ladder_leaves_grades_for_what_it_measured(tmp_path, monkeypatch):
+    """grades.jsonl is written after each batch: a sitting stopped mid-run leaves the grades of its finished batches,
+    which a new run folder reads back through `ladder.records` to give a single run's table."""
+    import redumix.pipeline.studies.ladder as ladder
+
+    config = load_config("tiny", [*SMALL, "ladder.n=4", "ladder.batch_size=2"])
+    run_ladder(config, RunDir(tmp_path / "whole"))
+    whole = json.loads((tmp_path / "whole" / "ladder" / "summary.json").read_text())
+    batches, real_batch = [], ladder.ladder_batch
+
+    def stopped_after_one(*args, **kwargs):
+        batches.append(1)
+        if len(batches) == 2:
+            raise KeyboardInterrupt  # the sitting's time ran out during the second batch
+        return real_batch(*args, **kwargs)
+
+    monkeypatch.setattr(ladder, "ladder_batch", stopped_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        run_ladder(config, RunDir(tmp_path / "stopped"))
+    monkeypatch.undo()
+    banked = tmp_path / "stopped" / "ladder"
+    assert [g["id"] for g in _records(tmp_path / "stopped", "grades.jsonl")] == [
+        r["id"] for r in _records(tmp_path / "whole")[:2]]
+    later = load_config("tiny", [*SMALL, "ladder.n=4", "ladder.batch_size=2", f"ladder.records={banked}"])
+    run_ladder(later, RunDir(tmp_path / "later"))
+    assert len(_records(tmp_path / "later")) == 2
+    assert json.loads((tmp_path / "later" / "ladder" / "summary.json").read_text()) == whole

@@ -100,16 +100,13 @@ def run_ladder(config: Config, run: RunDir) -> None:
                     else:
                         add_resamples(engine, task, batch, [records[e.id] for e in batch], config)
                 atomic_write_jsonl(records_path, records.values(), ensure_ascii=False)  # a crash loses one batch
+                write_grades(out, config, examples, records, committed)  # copied to docs/records/ mid-run too
                 bar.update(len(batch))
             bar.close()
         engine.close()
     rows = [records[e.id] for e in examples if e.id in records]
     decoded = dict(zip((r["id"] for r in rows), ladder_grades(rows), strict=True))
-    grades = [decoded[e.id] if e.id in decoded else committed[e.id] for e in examples]
-    summary = summarize_ladder(grades, arm_names(config))  # what the committed grades alone give again
-    summary["settings"] = ladder_record(config)
-    atomic_write_json(out / "summary.json", summary)
-    atomic_write_jsonl(out / "grades.jsonl", grades)
+    summary = write_grades(out, config, examples, records, committed)
     # Committed grades hold no text: the examples are drawn from the problems decoded in this run folder.
     decoded_summary = summary if len(rows) == len(examples) else (
         summarize_ladder(list(decoded.values()), arm_names(config)) if rows else None)
@@ -118,6 +115,19 @@ def run_ladder(config: Config, run: RunDir) -> None:
     table = ladder_table(summary)
     atomic_write_text(out / "ladder.md", table)
     print0(table)
+
+
+def write_grades(out: Path, config: Config, examples: Sequence[Example], records: dict[str, dict],
+                 committed: dict[str, dict]) -> dict:
+    """grades.jsonl and summary.json for every problem measured so far, in the examples' order: written after each
+    batch, so an interrupted sitting's grades can be committed and read back through `ladder.records`."""
+    decoded = {g["id"]: g for g in ladder_grades([records[e.id] for e in examples if e.id in records])}
+    grades = [decoded.get(e.id) or committed[e.id] for e in examples if e.id in decoded or e.id in committed]
+    summary = summarize_ladder(grades, arm_names(config))  # what the committed grades alone give again
+    summary["settings"] = ladder_record(config)
+    atomic_write_json(out / "summary.json", summary)
+    atomic_write_jsonl(out / "grades.jsonl", grades)
+    return summary
 
 
 def committed_grades(config: Config, wanted: set[str]) -> dict[str, dict]:
