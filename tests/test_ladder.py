@@ -12,6 +12,7 @@ from redumix.data.tasks import make_task
 from redumix.pipeline.config import load_config
 from redumix.pipeline.run import RunDir
 from redumix.pipeline.studies.ladder import RESAMPLE, run_ladder, summarize_ladder
+from redumix.pipeline.studies.ladder_report import ladder_table
 
 MBPP = Path(__file__).resolve().parents[2] / "shared" / "data" / "mbpp" / "mbpp.jsonl"  # where task.code reads it
 SMALL = ["ladder.n=6", "ladder.batch_size=6", "sampling.max_new_tokens=32", "redumix.reflection_max_tokens=16"]
@@ -259,6 +260,7 @@ def test_an_interrupted_ladder_leaves_grades_for_what_it_measured(tmp_path, monk
         run_ladder(config, RunDir(tmp_path / "stopped"))
     monkeypatch.undo()
     banked = tmp_path / "stopped" / "ladder"
+    assert (banked / "ladder.md").read_text() == ladder_table(json.loads((banked / "summary.json").read_text()))
     assert [g["id"] for g in _records(tmp_path / "stopped", "grades.jsonl")] == [
         r["id"] for r in _records(tmp_path / "whole")[:2]]
     later = load_config("tiny", [*SMALL, "ladder.n=4", "ladder.batch_size=2", f"ladder.records={banked}"])

@@ -112,21 +112,20 @@ def run_ladder(config: Config, run: RunDir) -> None:
         summarize_ladder(list(decoded.values()), arm_names(config)) if rows else None)
     atomic_write_text(out / "examples.md", ladder_examples(rows, decoded_summary) if decoded_summary else
                       "# The ladder's examples\n\nEvery problem was read from committed grades: none to show.\n")
-    table = ladder_table(summary)
-    atomic_write_text(out / "ladder.md", table)
-    print0(table)
+    print0(ladder_table(summary))
 
 
 def write_grades(out: Path, config: Config, examples: Sequence[Example], records: dict[str, dict],
                  committed: dict[str, dict]) -> dict:
-    """grades.jsonl and summary.json for every problem measured so far, in the examples' order: written after each
-    batch, so an interrupted sitting's grades can be committed and read back through `ladder.records`."""
+    """grades.jsonl, summary.json and ladder.md for every problem measured so far, in the examples' order: written
+    after each batch, so an interrupted sitting's grades can be committed and read back through `ladder.records`."""
     decoded = {g["id"]: g for g in ladder_grades([records[e.id] for e in examples if e.id in records])}
     grades = [decoded.get(e.id) or committed[e.id] for e in examples if e.id in decoded or e.id in committed]
     summary = summarize_ladder(grades, arm_names(config))  # what the committed grades alone give again
     summary["settings"] = ladder_record(config)
     atomic_write_json(out / "summary.json", summary)
     atomic_write_jsonl(out / "grades.jsonl", grades)
+    atomic_write_text(out / "ladder.md", ladder_table(summary))
     return summary
 
 
