@@ -105,11 +105,10 @@ def run_ladder(config: Config, run: RunDir) -> None:
             bar.close()
         engine.close()
     rows = [records[e.id] for e in examples if e.id in records]
-    decoded = dict(zip((r["id"] for r in rows), ladder_grades(rows), strict=True))
     summary = write_grades(out, config, examples, records, committed)
     # Committed grades hold no text: the examples are drawn from the problems decoded in this run folder.
     decoded_summary = summary if len(rows) == len(examples) else (
-        summarize_ladder(list(decoded.values()), arm_names(config)) if rows else None)
+        summarize_ladder(ladder_grades(rows), arm_names(config)) if rows else None)
     atomic_write_text(out / "examples.md", ladder_examples(rows, decoded_summary) if decoded_summary else
                       "# The ladder's examples\n\nEvery problem was read from committed grades: none to show.\n")
     print0(ladder_table(summary))
