@@ -155,6 +155,39 @@ def test_every_arm_trains_the_same_steps_is_measured_and_summarised(tmp_path, ti
     assert table.count("| not measured |") == 2  # the drift cells of mixture and gold
 
 
+@pytest.mark.slow  # three evidence studies on the tiny model: minutes
+def test_arms_run_alone_train_the_steps_the_study_already_trained(tmp_path, tiny_model_dir, capsys):
+    # A recipe that sets no train.max_steps (epochs): the first arm-seed to train sets the study's steps, and a later
+    # sitting that runs other arms alone, in this folder or in a new one from the records, trains them as many steps
+    # and reads back every arm-seed already measured instead of refusing or training it again.
+    def study(run: Path, *overrides: str):
+        config = load_config(ROOT / "recipes" / "tiny.yaml", [f"model.path={tiny_model_dir}", *SMALL, "evidence.n=4",
+                                                              "evidence.drift_n=2", "evidence.seeds=[0]",
+                                                              *overrides])
+        return run_evidence(config, RunDir(run))
+
+    first = study(tmp_path / "run", "evidence.main_arms=[mixture]", "train.max_steps=3")
+    assert first["arms"]["mixture"]["steps"] == 3
+    folder = tmp_path / "run" / "evidence"
+    stamps = {p: p.stat().st_mtime_ns for p in folder.rglob("*.safetensors")}
+    alone = study(tmp_path / "run", "evidence.main_arms=[gold, mixture]", "train.max_steps=-1")
+    assert {arm["steps"] for arm in alone["arms"].values()} == {3}  # gold's own epochs are 6 steps here
+    assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())  # the mixture's seed 0 was not trained again
+
+    records = tmp_path / "records"
+    assert main(["grades", str(folder), str(records)]) == 0
+    capsys.readouterr()
+    again = study(tmp_path / "fresh", "evidence.main_arms=[gold]", "train.max_steps=-1",
+                  f"evidence.records={records}")
+    assert "evidence: arm gold, seed 0 read from the records" in capsys.readouterr().out
+    assert again["arms"]["gold"] == alone["arms"]["gold"] and not list((tmp_path / "fresh").rglob("train"))
+    # Records of two studies mixed in one folder: which steps to train is not guessed.
+    metrics = records / "gold" / "seed-0" / "train-metrics.json"
+    metrics.write_text(json.dumps({**json.loads(metrics.read_text()), "steps": 5}))
+    with pytest.raises(ConfigError, match=r"trained different steps \(.*gold/seed-0: 5.*mixture/seed-0: 3"):
+        study(tmp_path / "other", "evidence.main_arms=[redo]", "train.max_steps=-1", f"evidence.records={records}")
+
+
 def test_the_base_answers_saved_for_more_questions_serve_fewer_and_never_other_ones(tmp_path) -> None:
     here = RunDir(tmp_path)
     assert saved_answers(here, ["a"]) is None

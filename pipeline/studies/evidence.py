@@ -64,13 +64,13 @@ def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
     plan = [(arm, seed) for arm in ev.main_arms for seed in ev.seeds]
     plan += [(arm, ev.seeds[0]) for arm in ev.other_arms if arm not in ev.main_arms]
     other_tasks = forgetting_tasks(config)  # a wrong entry stops the stage here, before any arm trains
+    steps = study_steps(config, folder, records)  # 0 until the first arm-seed trains: then its steps
     base_here = RunDir(folder / "base")
     if recorded_model(config, records, folder, base_here, base, "base", other_tasks):
         restore_base_caches(records, base_here)
     else:
         eval_greedy(config, base_here, base, checkpoint="base", other_tasks=other_tasks)
     save_base_answers(config, base_here, base)
-    steps = 0  # every arm trains as many steps as the first one did (the mixture arm, seed 0, in the default plan)
     for measured, (arm, seed) in enumerate(plan, start=1):
         here = arm_dir(folder, arm, seed)
         if recorded_arm(config, records, folder, here, base, arm, seed, steps, other_tasks):
@@ -93,6 +93,23 @@ def run_evidence(config: Config, run: RunDir) -> dict[str, Any]:
         summary = write_summary(config, folder, plan, measured, list(other_tasks))
     print0(evidence_markdown(summary))
     return summary
+
+
+def study_steps(config: Config, folder: Path, records: Path | None) -> int:
+    """The steps every arm of the study trains: `train.max_steps` when the recipe sets it; else those of the arm-seeds
+    already trained, here or in the records, whichever arm came first; 0 before any has (the first one to train then
+    sets them). A plan that runs some arms alone thus trains them as many steps as the study's others."""
+    if config.train.max_steps > 0:
+        return config.train.max_steps
+    trained = {path.parent.parent: read_json(path)["steps"] for path in folder.glob("*/seed-*/train/metrics.json")}
+    if records is not None:
+        trained |= {path.parent: read_json(path)["steps"] for path in records.glob("*/seed-*/train-metrics.json")}
+    if len(set(trained.values())) > 1:
+        each = ", ".join(f"{place}: {n}" for place, n in sorted(trained.items(), key=lambda item: str(item[0])))
+        raise ConfigError(f"evidence: the arm-seeds already trained for this study trained different steps ({each}), "
+                          "and the recipe sets no train.max_steps to choose: delete the folders (and records) of the "
+                          "arm-seeds that are not this study's, or set train.max_steps")
+    return next(iter(trained.values()), 0)
 
 
 def write_summary(config: Config, folder: Path, plan: list[tuple[str, int]], measured: int,
