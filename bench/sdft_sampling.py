@@ -1,0 +1,157 @@
+"""How much of an SDFT step is TRL's sampling (`python -m bench.sdft_sampling`): the same SDFT run with the
+student's samples drawn by `model.generate` (what `train.method=sdft` does) and by vLLM in the same process (TRL's
+`use_vllm`, colocate mode), each side in its own process, alternating, `--rounds` times. Not in `make bench`: it
+needs `make vllm` and `make qwen-coder-0.5b`, and takes about 8 minutes a round on 2 cores.
+
+The run is `recipes/qwen2.5-coder-0.5b-mbpp-reference.yaml`'s SDFT arm (train/sdft.py, the same trainer, settings
+and seed) for `--steps` steps, on MBPP train problems whose privileged turns are a stand-in attempt and the problem's
+reference solution as feedback: the rung's x2 without its harvest. The first step, which includes vLLM's start, is
+left out of each side's total. With one seed both sides sample the same problems; their samples differ (two
+samplers), so each step's mean sample length is printed beside its time.
+
+On a CPU vLLM repacks each linear layer's weights after loading them, so TRL's weight sync, which loads parameter by
+parameter into the loaded model, fails ("'Parameter' object has no attribute 'weight_loader'"). `reload_in_place`
+syncs through vLLM's own `reload_weights` instead, which loads and repacks. After training, each vLLM side checks the
+sync: vLLM's log-probs of the student's greedy reply against the student's and the starting model's (`sync_check_*`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "qwen2.5-coder-0.5b-mbpp-reference.yaml"
+MODEL = ROOT / "models" / "qwen2.5-coder-0.5b-instruct"
+
+
+def reload_in_place(generation: Any) -> None:
+    """TRL's colocated weight sync through vLLM's `reload_weights` (see the module docstring)."""
+    runner = generation.llm.llm_engine.model_executor.driver_worker.model_runner
+    runner.reload_weights(weights_iterator=generation._iter_named_params())
+    generation.llm.reset_prefix_cache()
+
+
+def one_side(side: str, steps: int, out: Path) -> dict[str, Any]:
+    """Train `steps` SDFT steps with `side`'s sampler; the step times, sample lengths and (vLLM) the sync check."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, as train's colocate mode needs
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    import redumix.train.sdft as sdft
+    from redumix.data.prompts import attempt_messages, redo_messages
+    from redumix.data.tasks import make_task
+    from redumix.generate.model_io import load_tokenizer, load_weights
+    from redumix.pipeline.config import load_config
+    from redumix.train.trainer import TrainerSetup
+
+    config = load_config(RECIPE, ["train.method=sdft", "train.sdft_teacher=base", f"train.max_steps={steps}",
+                                  "train.save_steps=100000", "train.logging_steps=1", f"model.path={MODEL}"])
+    task = make_task(config.task, config.seed)
+    problems = task.examples("train", 64)
+    references = task.solutions("train", 64)
+    rows = []
+    for problem in problems:
+        x2 = redo_messages(problem.prompt, "def f():\n    pass", "A reference solution:\n" + references[problem.id],
+                           "I will write the function as the reference does.")
+        rows.append({"prompt": attempt_messages(problem.prompt), "privileged_context": x2[1:]})
+
+    def arguments(*args: Any, **kwargs: Any) -> Any:
+        hf_args = plain_arguments(*args, **kwargs)
+        if side == "vllm":
+            hf_args.use_vllm, hf_args.vllm_mode, hf_args.vllm_max_model_length = True, "colocate", 2048
+        return hf_args
+
+    class StepEnds(TrainerCallback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            self.ends.append(time.perf_counter())
+
+    plain_arguments, sdft.sdft_arguments = sdft.sdft_arguments, arguments
+    VLLMGeneration.sync_weights = reload_in_place  # type: ignore[method-assign]
+    tokenizer = load_tokenizer(MODEL, False)
+    model = load_weights(MODEL, config.model)
+    step_ends = StepEnds()
+    seed = config.seed if config.train.seed < 0 else config.train.seed  # as `redumix train` picks it
+    setup = TrainerSetup(str(out / side), seed, True, 1, (step_ends,))
+    trainer = sdft.build_sdft_trainer(model, tokenizer, Dataset.from_list(rows), config.train, setup)
+    began = time.perf_counter()
+    trainer.train()
+    times = [b - a for a, b in zip([began, *step_ends.ends], step_ends.ends, strict=False)]
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    result: dict[str, Any] = {"side": side, "step_seconds": [round(t, 1) for t in times],
+                              "mean_sample_tokens": [round(n, 1) for n in lengths],
+                              "total_after_first": round(sum(times[1:]), 1)}
+    if side == "vllm":
+        result.update(sync_check(trainer, tokenizer, rows[0]["prompt"]))
+    return result
+
+
+def sync_check(trainer: Any, tokenizer: Any, prompt: list[dict[str, str]]) -> dict[str, Any]:
+    """After a sync, vLLM's log-probs of a sequence (a train prompt and the student's greedy reply, 48 tokens)
+    against the trained student's and the starting model's (the adapter off): the sync worked where vLLM sits
+    far nearer the student."""
+    import torch
+    from vllm import SamplingParams
+
+    from redumix.data.chat import prompt_ids
+
+    generation, model = trainer.vllm_generation, trainer.model
+    generation.sync_weights()
+    ids = prompt_ids(tokenizer, prompt)
+    with torch.no_grad():
+        sequence = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0].tolist()
+    [scored] = generation.llm.generate([{"prompt_token_ids": sequence}],
+                                       SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    reply = range(len(ids), len(sequence))
+    theirs = torch.tensor([scored.prompt_logprobs[i][sequence[i]].logprob for i in reply])
+
+    def logprobs() -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([sequence])).logits[0].float().log_softmax(-1)
+        return torch.tensor([logits[i - 1, sequence[i]].item() for i in reply])
+
+    student = logprobs()
+    with model.disable_adapter():
+        start = logprobs()
+    return {"sync_check_mean_abs_logprob_gap_to_student": round((theirs - student).abs().mean().item(), 4),
+            "sync_check_mean_abs_logprob_gap_to_start": round((theirs - start).abs().mean().item(), 4)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--side", choices=["hf", "vllm"], help=argparse.SUPPRESS)  # one side, in a child process
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-sdft-sampling")
+    args = parser.parse_args()
+    if args.side:
+        print("RESULT " + json.dumps(one_side(args.side, args.steps, args.out)), flush=True)
+        return
+    totals: dict[str, list[float]] = {"hf": [], "vllm": []}
+    for _ in range(args.rounds):
+        for side in ("hf", "vllm"):
+            child = subprocess.run([sys.executable, "-m", "bench.sdft_sampling", "--side", side, "--steps",
+                                    str(args.steps), "--out", str(args.out)], cwd=ROOT, capture_output=True, text=True)
+            lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
+            if child.returncode or not lines:
+                raise SystemExit(f"bench.sdft_sampling: the {side} side failed:\n{child.stderr[-3000:]}")
+            result = json.loads(lines[-1].removeprefix("RESULT "))
+            print(json.dumps(result), flush=True)
+            totals[side].append(result["total_after_first"])
+    ratios = [hf / vllm for hf, vllm in zip(totals["hf"], totals["vllm"], strict=True)]
+    print(json.dumps({"sdft_step_time_hf_over_vllm": [round(r, 2) for r in ratios]}))
+
+
+if __name__ == "__main__":
+    main()
