@@ -47,10 +47,10 @@ def one_side(side: str, steps: int, out: Path) -> dict[str, Any]:
     from trl.generation.vllm_generation import VLLMGeneration
 
     import redumix.train.sdft as sdft
-    from redumix.data.prompts import attempt_messages, redo_messages
     from redumix.data.tasks import make_task
     from redumix.generate.model_io import load_tokenizer, load_weights
     from redumix.pipeline.config import load_config
+    from redumix.pipeline.train import trainer_seed
     from redumix.train.trainer import TrainerSetup
 
     config = load_config(RECIPE, ["train.method=sdft", "train.sdft_teacher=base", f"train.max_steps={steps}",
@@ -58,11 +58,10 @@ def one_side(side: str, steps: int, out: Path) -> dict[str, Any]:
     task = make_task(config.task, config.seed)
     problems = task.examples("train", 64)
     references = task.solutions("train", 64)
-    rows = []
-    for problem in problems:
-        x2 = redo_messages(problem.prompt, "def f():\n    pass", "A reference solution:\n" + references[problem.id],
-                           "I will write the function as the reference does.")
-        rows.append({"prompt": attempt_messages(problem.prompt), "privileged_context": x2[1:]})
+    rows = Dataset.from_list([{"id": problem.id, "prompt": problem.prompt, "original": "def f():\n    pass",
+                               "feedback": "A reference solution:\n" + references[problem.id],
+                               "reflection": "I will write the function as the reference does."}
+                              for problem in problems])
 
     def arguments(*args: Any, **kwargs: Any) -> Any:
         hf_args = plain_arguments(*args, **kwargs)
@@ -82,9 +81,10 @@ def one_side(side: str, steps: int, out: Path) -> dict[str, Any]:
     tokenizer = load_tokenizer(MODEL, False)
     model = load_weights(MODEL, config.model)
     step_ends = StepEnds()
-    seed = config.seed if config.train.seed < 0 else config.train.seed  # as `redumix train` picks it
-    setup = TrainerSetup(str(out / side), seed, True, 1, (step_ends,))
-    trainer = sdft.build_sdft_trainer(model, tokenizer, Dataset.from_list(rows), config.train, setup)
+    examples = sdft.sdft_examples(rows, tokenizer, config.train.max_length, config.train.onpolicy_max_new_tokens)
+    assert len(examples) == len(rows), "every problem's x2 fits train.max_length"
+    setup = TrainerSetup(str(out / side), trainer_seed(config), True, 1, (step_ends,))
+    trainer = sdft.build_sdft_trainer(model, tokenizer, examples, config.train, setup)
     began = time.perf_counter()
     trainer.train()
     times = [b - a for a, b in zip([began, *step_ends.ends], step_ends.ends, strict=False)]
@@ -93,7 +93,7 @@ def one_side(side: str, steps: int, out: Path) -> dict[str, Any]:
                               "mean_sample_tokens": [round(n, 1) for n in lengths],
                               "total_after_first": round(sum(times[1:]), 1)}
     if side == "vllm":
-        result.update(sync_check(trainer, tokenizer, rows[0]["prompt"]))
+        result.update(sync_check(trainer, tokenizer, examples[0]["prompt"]))
     return result
 
 

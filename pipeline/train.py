@@ -124,7 +124,7 @@ def run_train(config: Config, run: RunDir, callbacks: list[TrainerCallback] | No
     # --- train (resuming from the last checkpoint if there is one) ------------------------------------------------
     checkpoints = run.train / "checkpoints"
     model = load_weights(model_path, config.model)
-    seed = config.seed if tc.seed < 0 else tc.seed
+    seed = trainer_seed(config)
     callbacks = [MetricsToRunLog(run), *(callbacks or [])]
     setup = TrainerSetup(str(checkpoints), seed, use_cpu(config), world_size(), tuple(callbacks))
     if tc.method == "sdft":
@@ -208,7 +208,7 @@ def train_settings(config: Config) -> dict[str, Any]:
     from elsewhere (the on-policy teacher's λ and redo, gold's solutions and replay's conversations)."""
     tc = config.train
     train = {k: v for k, v in dataclasses.asdict(tc).items() if k not in _HOW_IT_RUNS}
-    train["seed"] = config.seed if tc.seed < 0 else tc.seed  # the one it trains with, however it was set
+    train["seed"] = trainer_seed(config)  # the one it trains with, however it was set
     settings: dict[str, Any] = {"model.dtype": config.model.dtype, "train": train}
     if tc.policy == "on_policy":
         settings["redumix"] = dataclasses.asdict(config.redumix)
@@ -317,6 +317,11 @@ def last_complete_checkpoint(folder: Path) -> str | None:
             continue
         return str(path)
     return None
+
+
+def trainer_seed(config: Config) -> int:
+    """The seed the trainer runs with: train.seed, or the run's where it is -1."""
+    return config.seed if config.train.seed < 0 else config.train.seed
 
 
 def use_cpu(config: Config) -> bool:
