@@ -1,7 +1,8 @@
 """How much of an SDFT step is TRL's sampling (`python -m bench.sdft_sampling`): the same SDFT run with the
-student's samples drawn by `model.generate` (what `train.method=sdft` does) and by vLLM in the same process (TRL's
-`use_vllm`, colocate mode), each side in its own process, alternating, `--rounds` times. Not in `make bench`: it
-needs `make vllm` and `make qwen-coder-0.5b`, and takes about 8 minutes a round on 2 cores.
+student's samples drawn by `model.generate` (`train.sdft_sampler=generate`, the default) and by vLLM in the same
+process (`train.sdft_sampler=vllm`: TRL's `use_vllm`, colocate mode), each side in its own process, alternating,
+`--rounds` times. Not in `make bench`: it needs `make vllm` and `make qwen-coder-0.5b`, and takes about 8 minutes a
+round on 2 cores.
 
 The run is `recipes/qwen2.5-coder-0.5b-mbpp-reference.yaml`'s SDFT arm (train/sdft.py, the same trainer, settings
 and seed) for `--steps` steps, on MBPP train problems whose privileged turns are a stand-in attempt and the problem's
@@ -9,10 +10,9 @@ reference solution as feedback: the rung's x2 without its harvest. The first ste
 left out of each side's total. With one seed both sides sample the same problems; their samples differ (two
 samplers), so each step's mean sample length is printed beside its time.
 
-On a CPU vLLM repacks each linear layer's weights after loading them, so TRL's weight sync, which loads parameter by
-parameter into the loaded model, fails ("'Parameter' object has no attribute 'weight_loader'"). `reload_in_place`
-syncs through vLLM's own `reload_weights` instead, which loads and repacks. After training, each vLLM side checks the
-sync: vLLM's log-probs of the student's greedy reply against the student's and the starting model's (`sync_check_*`).
+On a CPU the vLLM side's weight sync goes through vLLM's `reload_weights` (train/sdft.py). After training, the vLLM
+side checks it: vLLM's log-probs of the student's greedy reply against the student's and the starting model's
+(`sync_check_*`).
 """
 
 from __future__ import annotations
@@ -31,20 +31,11 @@ RECIPE = ROOT / "recipes" / "qwen2.5-coder-0.5b-mbpp-reference.yaml"
 MODEL = ROOT / "models" / "qwen2.5-coder-0.5b-instruct"
 
 
-def reload_in_place(generation: Any) -> None:
-    """TRL's colocated weight sync through vLLM's `reload_weights` (see the module docstring)."""
-    runner = generation.llm.llm_engine.model_executor.driver_worker.model_runner
-    runner.reload_weights(weights_iterator=generation._iter_named_params())
-    generation.llm.reset_prefix_cache()
-
-
 def one_side(side: str, steps: int, out: Path) -> dict[str, Any]:
     """Train `steps` SDFT steps with `side`'s sampler; the step times, sample lengths and (vLLM) the sync check."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, as train's colocate mode needs
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl.generation.vllm_generation import VLLMGeneration
 
     import redumix.train.sdft as sdft
     from redumix.data.tasks import make_task
@@ -53,7 +44,9 @@ def one_side(side: str, steps: int, out: Path) -> dict[str, Any]:
     from redumix.pipeline.train import trainer_seed
     from redumix.train.trainer import TrainerSetup
 
-    config = load_config(RECIPE, ["train.method=sdft", "train.sdft_teacher=base", f"train.max_steps={steps}",
+    sampler = "vllm" if side == "vllm" else "generate"
+    config = load_config(RECIPE, ["train.method=sdft", "train.sdft_teacher=base", f"train.sdft_sampler={sampler}",
+                                  f"train.max_steps={steps}",
                                   "train.save_steps=100000", "train.logging_steps=1", f"model.path={MODEL}"])
     task = make_task(config.task, config.seed)
     problems = task.examples("train", 64)
@@ -63,12 +56,6 @@ def one_side(side: str, steps: int, out: Path) -> dict[str, Any]:
                                "reflection": "I will write the function as the reference does."}
                               for problem in problems])
 
-    def arguments(*args: Any, **kwargs: Any) -> Any:
-        hf_args = plain_arguments(*args, **kwargs)
-        if side == "vllm":
-            hf_args.use_vllm, hf_args.vllm_mode, hf_args.vllm_max_model_length = True, "colocate", 2048
-        return hf_args
-
     class StepEnds(TrainerCallback):
         def __init__(self) -> None:
             self.ends: list[float] = []
@@ -76,8 +63,6 @@ def one_side(side: str, steps: int, out: Path) -> dict[str, Any]:
         def on_step_end(self, *args: Any, **kwargs: Any) -> None:
             self.ends.append(time.perf_counter())
 
-    plain_arguments, sdft.sdft_arguments = sdft.sdft_arguments, arguments
-    VLLMGeneration.sync_weights = reload_in_place  # type: ignore[method-assign]
     tokenizer = load_tokenizer(MODEL, False)
     model = load_weights(MODEL, config.model)
     step_ends = StepEnds()
@@ -93,14 +78,16 @@ def one_side(side: str, steps: int, out: Path) -> dict[str, Any]:
                               "mean_sample_tokens": [round(n, 1) for n in lengths],
                               "total_after_first": round(sum(times[1:]), 1)}
     if side == "vllm":
-        result.update(sync_check(trainer, tokenizer, examples[0]["prompt"]))
+        to_student, to_start = sync_gaps(trainer, tokenizer, examples[0]["prompt"], 48)
+        result.update(sync_check_mean_abs_logprob_gap_to_student=round(to_student, 4),
+                      sync_check_mean_abs_logprob_gap_to_start=round(to_start, 4))
     return result
 
 
-def sync_check(trainer: Any, tokenizer: Any, prompt: list[dict[str, str]]) -> dict[str, Any]:
-    """After a sync, vLLM's log-probs of a sequence (a train prompt and the student's greedy reply, 48 tokens)
-    against the trained student's and the starting model's (the adapter off): the sync worked where vLLM sits
-    far nearer the student."""
+def sync_gaps(trainer: Any, tokenizer: Any, prompt: list[dict[str, str]], new_tokens: int) -> tuple[float, float]:
+    """After a sync, the mean gap per token between vLLM's log-probs of a sequence (the prompt and the trained
+    student's greedy reply, `new_tokens` long) and the student's, and the starting model's (the adapter off): the sync
+    worked where vLLM sits far nearer the student. tests/test_sdft_vllm.py asserts it."""
     import torch
     from vllm import SamplingParams
 
@@ -110,7 +97,8 @@ def sync_check(trainer: Any, tokenizer: Any, prompt: list[dict[str, str]]) -> di
     generation.sync_weights()
     ids = prompt_ids(tokenizer, prompt)
     with torch.no_grad():
-        sequence = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0].tolist()
+        sequence = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  do_sample=False, pad_token_id=tokenizer.pad_token_id)[0].tolist()
     [scored] = generation.llm.generate([{"prompt_token_ids": sequence}],
                                        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     reply = range(len(ids), len(sequence))
@@ -124,8 +112,7 @@ def sync_check(trainer: Any, tokenizer: Any, prompt: list[dict[str, str]]) -> di
     student = logprobs()
     with model.disable_adapter():
         start = logprobs()
-    return {"sync_check_mean_abs_logprob_gap_to_student": round((theirs - student).abs().mean().item(), 4),
-            "sync_check_mean_abs_logprob_gap_to_start": round((theirs - start).abs().mean().item(), 4)}
+    return (theirs - student).abs().mean().item(), (theirs - start).abs().mean().item()
 
 
 def main() -> None:

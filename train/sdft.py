@@ -22,6 +22,12 @@ How the settings map onto SDFTConfig:
 - num_generations 1: one sample per row, so a step sees batch_size x grad_accum rows, as every other arm does.
 - max_prompt_length None: TRL cuts a long prompt from the left, which would cut x off the front of x2.
 
+- train.sdft_sampler -> use_vllm: 'vllm' samples through TRL's vLLM, colocated in this process. On a CPU vLLM
+  repacks each linear layer's weights after loading them, so TRL's sync, which loads parameter by parameter into the
+  loaded model, fails ("'Parameter' object has no attribute 'weight_loader'"); there the sync goes through vLLM's own
+  `reload_weights`, which loads and repacks (`sync_by_reload`). vLLM draws with its own seed (TRL's: the process
+  index), so its samples differ from `generate`'s; tests/test_sdft_vllm.py checks that they come from the student.
+
 Optimizer, schedule, batch, seed, LoRA or full, checkpoints: as the GKD trainer (train/trainer.py `hf_arguments`,
 `trainer_parts`). TRL turns dropout off in the student and the teacher (`disable_dropout`), so `lora_dropout` has no
 effect here.
@@ -37,6 +43,7 @@ a resumed run ends with the model of an unbroken one.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +99,14 @@ class X2SDFTTrainer(SDFTTrainer):
     args: SDFTConfig  # built by sdft_arguments (HF Trainer types it as TrainingArguments)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs["args"].use_vllm:
+            # TRL reaches into the engine to sync weights, so its core must run in this process.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         super().__init__(*args, **kwargs)
         self.teacher_context_builder = ConversationTeacherContext(self)
+        if self.use_vllm and self.accelerator.device.type == "cpu":
+            generation = self.vllm_generation
+            generation.sync_weights = lambda: sync_by_reload(generation)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # Saved here, before HF Trainer writes trainer_state.json, so that a finished checkpoint always holds it.
@@ -125,6 +138,14 @@ class X2SDFTTrainer(SDFTTrainer):
         return self.args.teacher_model_kind == "ema" and self.teacher_model is not self.model
 
 
+def sync_by_reload(generation: Any) -> None:
+    """TRL's colocated weight sync (`VLLMGeneration.sync_weights`) through vLLM's `reload_weights`, for vLLM's CPU
+    backend (see the module docstring)."""
+    runner = generation.llm.llm_engine.model_executor.driver_worker.model_runner
+    runner.reload_weights(weights_iterator=generation._iter_named_params())
+    generation.llm.reset_prefix_cache()
+
+
 def sdft_arguments(config: TrainConfig, output_dir: str, seed: int, use_cpu: bool, processes: int) -> SDFTConfig:
     """The TRL/HF arguments of an SDFT run (the table in the module docstring)."""
     return SDFTConfig(
@@ -136,6 +157,9 @@ def sdft_arguments(config: TrainConfig, output_dir: str, seed: int, use_cpu: boo
         max_completion_length=config.onpolicy_max_new_tokens,
         max_prompt_length=None,
         num_generations=1,
+        use_vllm=config.sdft_sampler == "vllm",
+        vllm_mode="colocate",
+        vllm_max_model_length=config.max_length,
     )
 
 
