@@ -209,7 +209,9 @@ def train_settings(config: Config) -> dict[str, Any]:
     tc = config.train
     train = {k: v for k, v in dataclasses.asdict(tc).items() if k not in _HOW_IT_RUNS}
     train["seed"] = trainer_seed(config)  # the one it trains with, however it was set
-    if tc.sdft_sampler == "generate":  # kept off its default only, so settings written before the key still match
+    # The sampler is kept where it samples and is off its default only, so that every setting written before the key
+    # existed (all sampled by `generate`, or by no sampler at all) still matches.
+    if tc.method != "sdft" or tc.sdft_sampler == "generate":
         del train["sdft_sampler"]
     settings: dict[str, Any] = {"model.dtype": config.model.dtype, "train": train}
     if tc.policy == "on_policy":

@@ -181,6 +181,16 @@ def test_arms_run_alone_train_the_steps_the_study_already_trained(tmp_path, tiny
                   f"evidence.records={records}")
     assert "evidence: arm gold, seed 0 read from the records" in capsys.readouterr().out
     assert again["arms"]["gold"] == alone["arms"]["gold"] and not list((tmp_path / "fresh").rglob("train"))
+    # The study's first arm-seed trained by epochs, as it does where the recipe sets no train.max_steps (here its
+    # record is made so): having trained the study's steps, it is read back, not trained again.
+    settings = records / "mixture" / "seed-0" / "train-settings.json"
+    stored = json.loads(settings.read_text())
+    stored["record"]["train"]["max_steps"] = -1
+    settings.write_text(json.dumps(stored))
+    capsys.readouterr()
+    study(tmp_path / "fresh", "evidence.main_arms=[mixture]", "train.max_steps=-1", f"evidence.records={records}")
+    assert "evidence: arm mixture, seed 0 read from the records" in capsys.readouterr().out
+    assert not list((tmp_path / "fresh").rglob("train"))
     # Records of two studies mixed in one folder: which steps to train is not guessed.
     metrics = records / "gold" / "seed-0" / "train-metrics.json"
     metrics.write_text(json.dumps({**json.loads(metrics.read_text()), "steps": 5}))

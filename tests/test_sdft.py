@@ -19,7 +19,7 @@ from redumix.data.prompts import REDO, attempt_messages, redo_messages
 from redumix.pipeline.config import load_config
 from redumix.pipeline.evidence_arms import ARMS
 from redumix.pipeline.run import RunDir
-from redumix.pipeline.train import run_train
+from redumix.pipeline.train import run_train, train_settings
 from redumix.train.config import TrainConfig
 from redumix.train.data import load_harvest
 from redumix.train.sdft import EMA_TEACHER, TEACHER_ADAPTER
@@ -168,3 +168,11 @@ def test_sdft_settings_are_checked() -> None:
     for name in ("sdft-base", "sdft-ema"):
         settings = dataclasses.replace(TrainConfig(), **ARMS[name].train)
         assert settings.method == "sdft" and settings.sdft_teacher == name.removeprefix("sdft-")
+
+
+def test_the_sampler_is_recorded_off_its_default_only() -> None:
+    """Settings recorded before `train.sdft_sampler` existed (every arm in docs/records) match the default's, and
+    the other arms' when a study sets the sampler for its SDFT arm."""
+    assert "sdft_sampler" not in train_settings(load_config(None, FAST))["train"]
+    assert train_settings(load_config(None, [*FAST, "train.sdft_sampler=vllm"]))["train"]["sdft_sampler"] == "vllm"
+    assert "sdft_sampler" not in train_settings(load_config(None, ["train.sdft_sampler=vllm"]))["train"]

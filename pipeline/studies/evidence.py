@@ -265,13 +265,17 @@ def recorded_arm(config: Config, records: Path | None, folder: Path, here: RunDi
     if missing:
         print0(f"evidence: {place}: no {', '.join(missing)}; measured again")
         return False
-    inputs = read_json(place / "train-metrics.json")["inputs"]
+    trained = read_json(place / "train-metrics.json")
+    inputs = trained["inputs"]
     if inputs["base"] != model_id(base):
         print0(f"evidence: {place}: trained from base {inputs['base']}, not {model_id(base)}; measured again")
         return False
     # The harvest is the one thing that may differ: a run folder lost with its harvest leaves the arms measured on
     # it, and a new harvest of the same recipe asks the same problems. The table names each arm-seed's harvest.
-    settings = arm_config(config, base, Path(), arm, seed, steps)
+    # The study's first arm-seed may have trained by epochs (train.max_steps -1) and so set the steps every other one
+    # trains (`study_steps`): having trained those steps, it is held to the settings it trained with.
+    by_epochs = trained["steps"] == steps and _recorded_max_steps(place / "train-settings.json") == -1
+    settings = arm_config(config, base, Path(), arm, seed, 0 if by_epochs else steps)
     try:
         claim_settings(place / "train-settings.json", train_settings(settings), "records",
                        "measured again")
@@ -279,6 +283,12 @@ def recorded_arm(config: Config, records: Path | None, folder: Path, here: RunDi
         print0(f"evidence: {e}")
         return False
     return True
+
+
+def _recorded_max_steps(path: Path) -> Any:
+    """train.max_steps in a train-settings file, of either layout (claim_settings: a record, or a version 0 config)."""
+    stored = read_json(path)
+    return stored.get("record", stored).get("train", {}).get("max_steps")
 
 
 def restore_base_caches(records: Path | None, here: RunDir) -> None:
