@@ -21,7 +21,6 @@ How the settings map onto SDFTConfig:
 - distillation_mode full_logits: the teacher is live, so nothing forces a top-k; the divergence is exact.
 - num_generations 1: one sample per row, so a step sees batch_size x grad_accum rows, as every other arm does.
 - max_prompt_length None: TRL cuts a long prompt from the left, which would cut x off the front of x2.
-
 - train.sdft_sampler -> use_vllm: 'vllm' samples through TRL's vLLM, colocated in this process. On a CPU vLLM
   repacks each linear layer's weights after loading them, so TRL's sync, which loads parameter by parameter into the
   loaded model, fails ("'Parameter' object has no attribute 'weight_loader'"); there the sync goes through vLLM's own
