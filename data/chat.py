@@ -37,17 +37,29 @@ def template_pieces(tokenizer: PreTrainedTokenizerBase, messages: list[Message])
     With k assistant turns this returns k+1 pieces; the conversation's ids are
     pieces[0] + turn_1 + pieces[1] + ... + turn_k + pieces[k], where turn_i are the assistant's own ids.
     """
-    masked = [dict(m, content=_PLACEHOLDER) if m["role"] == "assistant" else m for m in messages]
-    text = _render(tokenizer, masked)
-    parts = text.split(_PLACEHOLDER)
-    expected = sum(m["role"] == "assistant" for m in messages) + 1
-    if len(parts) != expected:
-        name = getattr(tokenizer, "name_or_path", "the tokenizer")
-        raise ValueError(
-            f"the chat template of {name} does not render assistant turns verbatim, so generated tokens cannot be "
-            "reused as a cache prefix; use a model whose template keeps assistant content as given"
-        )
-    return tokenizer(parts, add_special_tokens=False)["input_ids"]
+    return batch_template_pieces(tokenizer, [messages])[0]
+
+
+def batch_template_pieces(
+    tokenizer: PreTrainedTokenizerBase, conversations: Sequence[list[Message]]
+) -> list[list[list[int]]]:
+    """`template_pieces` of each conversation, every piece tokenized in one tokenizer call: a call costs ~0.3 ms of
+    Python however few its texts, and a harvest asks for the pieces of every example at each stage."""
+    texts: list[list[str]] = []
+    for messages in conversations:
+        masked = [dict(m, content=_PLACEHOLDER) if m["role"] == "assistant" else m for m in messages]
+        parts = _render(tokenizer, masked).split(_PLACEHOLDER)
+        if len(parts) != sum(m["role"] == "assistant" for m in messages) + 1:
+            name = getattr(tokenizer, "name_or_path", "the tokenizer")
+            raise ValueError(
+                f"the chat template of {name} does not render assistant turns verbatim, so generated tokens cannot "
+                "be reused as a cache prefix; use a model whose template keeps assistant content as given"
+            )
+        texts.append(parts)
+    if not texts:
+        return []
+    ids = iter(tokenizer([part for parts in texts for part in parts], add_special_tokens=False)["input_ids"])
+    return [[next(ids) for _ in parts] for parts in texts]
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> str:

@@ -12,6 +12,7 @@ Rows that finish are compacted out of the batch, so a long answer never makes sh
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -162,17 +163,26 @@ class StepLog:
     def per_row(self, n: int) -> list[tuple[list, ...]]:
         """For each of the `n` outputs, each column's values at the steps where that output was alive."""
         width = len(self.columns[0]) if self.columns else 0
-        out = [tuple([] for _ in range(width)) for _ in range(n)]
         if not self.rows:
-            return out
-        flat_rows = [row for rows in self.rows for row in rows]
-        flat_alive = torch.cat(self.alive).tolist()
-        flat_columns = [torch.cat(col).tolist() for col in zip(*self.columns, strict=True)]
-        for i, (row, is_alive) in enumerate(zip(flat_rows, flat_alive, strict=True)):
-            if is_alive:
-                for lists, values in zip(out[row], flat_columns, strict=True):
-                    lists.append(values[i])
-        return out
+            return [tuple([] for _ in range(width)) for _ in range(n)]
+        alive = torch.cat(self.alive)
+        # Each kept value's output, then the values grouped by output: a stable sort keeps every output's steps in
+        # order, so one slice per output and column replaces an append per value.
+        outputs = torch.as_tensor([row for rows in self.rows for row in rows], device=alive.device)[alive]
+        order = torch.argsort(outputs, stable=True)
+        bounds = list(itertools.accumulate(as_lists(torch.bincount(outputs, minlength=n)), initial=0))
+        columns = [as_lists(torch.cat(column)[alive][order]) for column in zip(*self.columns, strict=True)]
+        return [tuple(values[start:end] for values in columns) for start, end in itertools.pairwise(bounds)]
+
+
+NO_NUMPY = (torch.bfloat16,)  # the dtypes a tensor can hold that NumPy cannot
+
+
+def as_lists(values: torch.Tensor) -> list:
+    """`values.tolist()`, through NumPy where the dtype allows: the same Python values, and for the int64 top-k ids
+    a harvest step logs, about 10x faster (torch's `tolist` takes ~0.7 µs an int64, NumPy's ~0.06)."""
+    values = values.detach().cpu()
+    return values.tolist() if values.dtype in NO_NUMPY else values.numpy().tolist()
 
 
 def generation_from(token_ids: list[int], stop_ids: Sequence[int], fpe_per_token: int) -> Generation:

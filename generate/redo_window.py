@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from redumix.data.chat import template_pieces
+from redumix.data.chat import batch_template_pieces
 
 COMPRESSION_NOTE = "(earlier steps omitted) "
 
@@ -37,11 +37,9 @@ def window_cuts(
     if not window:
         return [0] * len(y1)
     # Worst case of x2 plus the redo: x ‖ y1 ‖ r + REFLECT ‖ c (at its cap) ‖ REDO ‖ y (at its cap).
-    redo_piece = [
-        template_pieces(tokenizer, [*conv, {"role": "assistant", "content": ""},
-                                    {"role": "user", "content": instruction}])[2]
-        for conv in reflect_convs
-    ]
+    redo_convs = [[*conv, {"role": "assistant", "content": ""}, {"role": "user", "content": instruction}]
+                  for conv in reflect_convs]
+    redo_piece = [pieces[2] for pieces in batch_template_pieces(tokenizer, redo_convs)]
     note_len = len(tokenizer(COMPRESSION_NOTE, add_special_tokens=False)["input_ids"])
     cut = []
     for x, ids, piece1, piece2 in zip(x_ids, y1, reflect_pieces, redo_piece, strict=True):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Literal
 
-from redumix.data.chat import decode_text, template_pieces
+from redumix.data.chat import batch_template_pieces, decode_text
 from redumix.data.grading import verdict_feedback
 from redumix.data.prompts import (
     REDO_INSTRUCTIONS,
@@ -177,7 +177,7 @@ def redo_contexts(
     usage = [Usage() for _ in prompts]
 
     # --- stage 1: y1 = generate(x), keeping the context; x's own context is kept aside as the redo's first ---
-    x_ids = [template_pieces(tokenizer, attempt_messages(p))[0] for p in prompts]
+    x_ids = [pieces[0] for pieces in batch_template_pieces(tokenizer, [attempt_messages(p) for p in prompts])]
     state = engine.open(x_ids)
     x_context = engine.fork(state)
     attempts, state = engine.continue_turn(state, seeds["attempt"], policy, policy.max_new_tokens, keep=True)
@@ -189,8 +189,8 @@ def redo_contexts(
 
     # --- stage 2: feedback r, from the task or the model's own critique of [x ‖ y1] (on a fork: c goes on from y1) ---
     if feedback is None:
-        pieces = [template_pieces(tokenizer, critique_messages(p, t))[-1] for p, t in zip(prompts, y1_text,
-                                                                                           strict=True)]
+        critique_convs = [critique_messages(p, t) for p, t in zip(prompts, y1_text, strict=True)]
+        pieces = [conv_pieces[-1] for conv_pieces in batch_template_pieces(tokenizer, critique_convs)]
         found, _ = next_turn(engine, engine.fork(state), attempts, y1, pieces, seeds["critique"], policy,
                              config.critique_max_tokens, usage, keep=False)
         r_text = [decode(g.content_ids(stop_ids)) for g in found]
@@ -199,7 +199,8 @@ def redo_contexts(
 
     # --- stage 3: c = generate([x ‖ y1 ‖ r ‖ REFLECT]), y1 cut where x2 would overflow the window ---
     reflect_convs = [reflect_messages(p, t, r) for p, t, r in zip(prompts, y1_text, r_text, strict=True)]
-    reflect_pieces = [template_pieces(tokenizer, conv)[-1] for conv in reflect_convs]  # from y1's close to c's open
+    # the template from y1's close to c's open
+    reflect_pieces = [pieces[-1] for pieces in batch_template_pieces(tokenizer, reflect_convs)]
     cut = window_cuts(engine.window, tokenizer, y1, x_ids, reflect_convs, reflect_pieces,
                       REDO_INSTRUCTIONS[config.instruction], config.reflection_max_tokens, policy.max_new_tokens)
     y1_in_context = [ids[n:] for ids, n in zip(y1, cut, strict=True)]
@@ -217,7 +218,8 @@ def redo_contexts(
     # --- the redo's contexts: x2 = [x ‖ y1 ‖ r ‖ c ‖ REDO], and x's kept from stage 1 ---
     redo_convs = [redo_messages(p, t, r, ct, REDO_INSTRUCTIONS[config.instruction])
                   for p, t, r, ct in zip(prompts, y1_text, r_text, c_text, strict=True)]
-    redo_pieces = [template_pieces(tokenizer, conv)[2] for conv in redo_convs]  # from c's close to the redo's open
+    # the template from c's close to the redo's open
+    redo_pieces = [pieces[2] for pieces in batch_template_pieces(tokenizer, redo_convs)]
     segments = [ids[g.cached :] + piece for ids, g, piece in zip(c, reflections, redo_pieces, strict=True)]
     state = engine.extend(state, segments)
     for u, seg in zip(usage, segments, strict=True):

@@ -21,7 +21,7 @@ from typing import cast
 import torch
 from transformers import PreTrainedModel
 
-from redumix.generate.loop import Choice, ChooseFn, Generation, LoopResult, generation_from
+from redumix.generate.loop import Choice, ChooseFn, Generation, LoopResult, as_lists, generation_from
 from redumix.generate.mixture import mixture_choice, mixture_contexts
 from redumix.generate.plain import plain_choice
 from redumix.generate.policy import SamplingPolicy
@@ -50,8 +50,8 @@ class StepBuffers:
 
     def per_row(self, steps: int) -> list[tuple[list, ...]]:
         """Per row: its tokens, then each logged column's values, at the steps where the row was alive."""
-        alive = self.alive[:, :steps].tolist()
-        found = [t[:, :steps].tolist() for t in (self.tokens, *self.columns)]
+        alive = as_lists(self.alive[:, :steps])
+        found = [as_lists(t[:, :steps]) for t in (self.tokens, *self.columns)]
         return [tuple([v for v, a in zip(column[row], alive[row], strict=True) if a] for column in found)
                 for row in range(len(alive))]
 
