@@ -28,7 +28,7 @@ from tqdm import tqdm
 from redumix.common.files import atomic_write_json, atomic_write_jsonl, atomic_write_text, read_json, read_jsonl
 from redumix.common.fingerprints import ladder_record_v0
 from redumix.common.ranks import print0
-from redumix.data.chat import template_pieces
+from redumix.data.chat import batch_template_pieces
 from redumix.data.prompts import attempt_messages
 from redumix.data.task import Example, Task
 from redumix.data.tasks import make_task, task_record
@@ -215,7 +215,8 @@ def add_resamples(engine: Engine, task: Task, batch: Sequence[Example], records:
                   config: Config) -> None:
     """Adds the resamples that `ladder.resamples` asks for and these records lack (in place)."""
     missing = [n for n in resample_names(config.ladder.resamples) if any(n not in r["arms"] for r in records)]
-    x_ids = [template_pieces(engine.tokenizer, attempt_messages(e.prompt))[0] for e in batch]
+    conversations = [attempt_messages(e.prompt) for e in batch]
+    x_ids = [pieces[0] for pieces in batch_template_pieces(engine.tokenizer, conversations)]
     texts = resamples(engine, config, x_ids, [e.id for e in batch], missing)
     for i, (example, record) in enumerate(zip(batch, records, strict=True)):
         record["arms"] |= {n: graded(task, texts[n][i], example) for n in missing if n not in record["arms"]}

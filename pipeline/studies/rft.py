@@ -25,7 +25,7 @@ from tqdm import tqdm
 from redumix.common.files import atomic_write_bytes, atomic_write_json, atomic_write_jsonl, read_json, read_jsonl
 from redumix.common.fingerprints import rft_record_v0
 from redumix.common.ranks import barrier, print0, rank
-from redumix.data.chat import template_pieces
+from redumix.data.chat import batch_template_pieces
 from redumix.data.prompts import attempt_messages
 from redumix.data.shards import bad_shards, encode_shard, iter_rows, shard_name, shard_paths, shard_record
 from redumix.data.tasks import make_task, task_record
@@ -89,7 +89,8 @@ def draw_samples(config: Config, model: Path, rows: list[dict], folder: Path) ->
         for start in range(0, len(todo), config.harvest.batch_size):
             batch = todo[start : start + config.harvest.batch_size]
             ids = [r["id"] for r in batch]
-            x_ids = [template_pieces(engine.tokenizer, attempt_messages(r["prompt"]))[0] for r in batch]
+            conversations = [attempt_messages(r["prompt"]) for r in batch]
+            x_ids = [pieces[0] for pieces in batch_template_pieces(engine.tokenizer, conversations)]
             for name in names:
                 missing = [i for i, id_ in enumerate(ids) if name not in records.get(id_, {}).get("samples", {})]
                 if not missing:
