@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from redumix.data.chat import batch_template_pieces, template_pieces
+from redumix.data.chat import batch_template_pieces, prompt_ids, template_pieces
 from redumix.data.prompts import attempt_messages, redo_messages, reflect_messages
 from redumix.generate.loop import StepLog, as_lists
 
@@ -58,8 +58,15 @@ def test_batch_pieces_equal_the_pieces_of_each_conversation(tiny_tokenizer):
         reflect_messages("2 * 8 = ?", "2 * 8 = 18", "Wrong: the answer is not 18."),
         redo_messages("Tom has 12 apples.", "12 - 5 = 7", "Correct.", "I subtracted."),
     ]
-    assert batch_template_pieces(tiny_tokenizer, conversations) == [
-        template_pieces(tiny_tokenizer, c) for c in conversations]
+    batched = batch_template_pieces(tiny_tokenizer, conversations)
+    assert batched == [template_pieces(tiny_tokenizer, c) for c in conversations]
+    for conversation, pieces in zip(conversations, batched, strict=True):
+        # the pieces around the assistant's own ids are the whole conversation (the character-level tokenizer
+        # splits alike wherever a text is cut)
+        turns = [tiny_tokenizer(m["content"], add_special_tokens=False)["input_ids"]
+                 for m in conversation if m["role"] == "assistant"]
+        joined = pieces[0] + [i for turn, piece in zip(turns, pieces[1:], strict=True) for i in turn + piece]
+        assert joined == prompt_ids(tiny_tokenizer, conversation)
     assert batch_template_pieces(tiny_tokenizer, []) == []
 
 
