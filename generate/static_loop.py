@@ -15,6 +15,7 @@ engine can decode a turn or the paired redo on either path.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -50,10 +51,11 @@ class StepBuffers:
 
     def per_row(self, steps: int) -> list[tuple[list, ...]]:
         """Per row: its tokens, then each logged column's values, at the steps where the row was alive."""
-        alive = as_lists(self.alive[:, :steps])
-        found = [as_lists(t[:, :steps]) for t in (self.tokens, *self.columns)]
-        return [tuple([v for v, a in zip(column[row], alive[row], strict=True) if a] for column in found)
-                for row in range(len(alive))]
+        alive = self.alive[:, :steps]
+        # A mask picks in row-major order: every row's values, in step order, one row after another.
+        bounds = list(itertools.accumulate(as_lists(alive.sum(dim=1)), initial=0))
+        found = [as_lists(t[:, :steps][alive]) for t in (self.tokens, *self.columns)]
+        return [tuple(column[start:end] for column in found) for start, end in itertools.pairwise(bounds)]
 
 
 @torch.inference_mode()
